@@ -1,0 +1,134 @@
+"""One rank's forward of one MoE layer: route -> (paging) -> dispatch -> experts -> combine.
+
+The token strategies differ only in how kept slots reach the experts and come back:
+``alltoall`` and ``hierarchical`` move slot rows with one or two all-to-all stages
+(``exchange_plan``), ``allgather`` gathers every token of the EP group with its routing
+metadata and reduce-scatters the weighted partial outputs. Each expert sees its rows in
+the same *expert layout* (expert, source member, token, slot) whatever the strategy.
+Stage markers in the autograd graph time the backward stages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from real.clock import mark
+from real.comm import AllGather, AllToAll, ReduceScatter
+from real.exchange_plan import flat_stages, hierarchical_stages, plan_exchange
+from real.experts import PagedExpertFFN, combine_slots, source_slots
+from testbed.router import route
+
+
+def seed_of(*parts: int) -> int:
+    """A 63-bit seed from integers (same on every process)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+def noise_generator(run_seed: int, step: int, layer: int, rank: int) -> torch.Generator:
+    """Generator of the router's Gumbel noise for one rank, step and layer (CPU)."""
+    return torch.Generator().manual_seed(seed_of(run_seed, step, layer, rank, 0x6E0))
+
+
+def inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(len(perm), device=perm.device)
+    return inv
+
+
+class LayerRunner:
+    """Runs MoE layers for one rank; ``rank_state`` holds the rank's shared pieces."""
+
+    def __init__(self, rank_state):
+        self.r = rank_state
+
+    def forward(self, layer: int, x_TH: torch.Tensor, step: int):
+        """(h_TH = x + MoE(x), aux loss, the controller's LayerForward)."""
+        r = self.r
+        s, clock, comm = r.scenario, r.clock, r.comm
+        top_k, tokens = s.model.top_k, x_TH.shape[0]
+        clock.switch("route")
+        w_EH, b_E = r.router[layer]
+        routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
+                        noise_generator(s.run.seed, step, layer, r.rank))
+        probs_TK = mark(routing.probs_TK, clock, "route_backward")
+        counts = comm.all_gather(routing.routed_E.to(torch.int32).cpu(), r.groups.world, r.groups.get(r.groups.world))
+        plan = r.controller.forward_layer(layer, counts.view(r.layout.world, -1).numpy())
+        if not np.array_equal(plan.kept[r.rank], routing.kept_E.cpu().numpy()):
+            raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
+        clock.switch("paging")
+        r.refresh(plan.refresh_ops)
+        r.execute_moves(plan.page_moves.get(r.rank), r.take_incoming(), forward=True)
+        clock.switch("dispatch")
+        slot_idx = source_slots(routing.experts_TK, routing.keep_TK)
+        if s.comm.token_strategy == "allgather":
+            expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens)
+        else:
+            expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
+        clock.switch("experts")
+        expert_in = mark(expert_in, clock, "dispatch_backward")
+        instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
+        y_RH = PagedExpertFFN.apply(expert_in, r.read_weights, instances, counts_e,
+                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads)
+        y_RH = mark(y_RH, clock, "experts_backward")
+        clock.switch("combine")
+        # the backward of this layer starts here: bring its experts' pages back first
+        out_TH = mark(combine(y_RH), clock, "combine_backward", hook=lambda: r.backward_pages(layer))
+        return x_TH + out_TH, routing.aux_loss, plan
+
+    # ---- token strategies ----------------------------------------------------------------------
+    def _alltoall(self, layer, x_TH, plan, slot_idx, probs_TK, tokens):
+        r = self.r
+        lay = r.layout
+        g = int(lay.group_of[r.rank])
+        members = list(lay.ep_group(g))
+        kept = plan.kept[lay.rank_of[g]]  # [P, E] in EP-index order
+        owner = lambda e: e // lay.experts_per_rank  # noqa: E731
+        if r.scenario.comm.token_strategy == "hierarchical":
+            stages = hierarchical_stages(lay.index_of[r.planner.grids[g]], owner)
+        else:
+            stages = flat_stages(lay.ep_size, owner)
+        xp = plan_exchange(kept, members, owner, stages, r.rank)
+        dev = x_TH.device
+        perms = [torch.as_tensor(st.send_rows, dtype=torch.long, device=dev) for st in xp.stages]
+        expert_rows = torch.as_tensor(xp.expert_rows, dtype=torch.long, device=dev)
+        buf = x_TH.index_select(0, slot_idx // probs_TK.shape[1])
+        for st, perm in zip(xp.stages, perms):
+            buf = buf.index_select(0, perm)
+            if len(st.group) > 1:
+                buf = AllToAll.apply(buf, r.comm, st.send_splits, st.recv_splits, st.group, r.groups.get(st.group))
+        expert_in = buf.index_select(0, expert_rows)
+
+        def combine(y_RH):
+            back = y_RH.index_select(0, inverse(expert_rows))
+            for st, perm in zip(reversed(xp.stages), reversed(perms)):
+                if len(st.group) > 1:
+                    back = AllToAll.apply(back, r.comm, st.recv_splits, st.send_splits, st.group, r.groups.get(st.group))
+                back = back.index_select(0, inverse(perm))
+            return combine_slots(back, slot_idx, probs_TK, tokens)
+
+        return expert_in, [int(c) for c in xp.expert_counts], combine
+
+    def _allgather(self, layer, x_TH, routing, probs_TK, tokens):
+        r = self.r
+        lay = r.layout
+        members = tuple(sorted(lay.ep_group(int(lay.group_of[r.rank]))))
+        pg = r.groups.get(members)
+        top_k = probs_TK.shape[1]
+        x_all = AllGather.apply(x_TH.contiguous(), r.comm, members, pg)  # [P*T, H]
+        masked = torch.where(routing.keep_TK, routing.experts_TK, -1).to(torch.int32)
+        e_all = r.comm.all_gather(masked.contiguous(), members, pg).reshape(-1).long()  # (src, t, k)
+        p_all = AllGather.apply(probs_TK.contiguous(), r.comm, members, pg).reshape(-1)
+        experts = lay.local_experts(r.rank)
+        mine = torch.nonzero((e_all >= experts.start) & (e_all < experts.stop)).squeeze(1)
+        mine = mine[torch.argsort(e_all[mine], stable=True)]  # expert layout: (expert, src, t, k)
+        rows = mine // top_k
+        counts_e = torch.bincount(e_all[mine] - experts.start, minlength=len(experts)).tolist()
+        expert_in = x_all.index_select(0, rows)
+
+        def combine(y_RH):
+            w_R = p_all.index_select(0, mine).to(y_RH.dtype)
+            partial = y_RH.new_zeros((x_all.shape[0], y_RH.shape[1])).index_add(0, rows, y_RH * w_R[:, None])
+            return ReduceScatter.apply(partial, r.comm, members, pg)
+
+        return expert_in, counts_e, combine

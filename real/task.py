@@ -1,0 +1,35 @@
+"""The synthetic training task: clustered inputs, one cluster per expert, teacher targets.
+
+Rank r's tokens at step s come from clusters drawn with the workload's popularity for
+(layer 0, rank r, step s) (M4: skewed, drifting, per-rank locality), so routing is
+skewed and learnable. Input x = center[c] + noise; target y = tanh(x A_c) with a
+random teacher matrix per cluster; the model must learn to send each cluster to an
+expert that imitates its teacher. Deterministic in (workload.seed, step, rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from testbed.scenario import Scenario
+from testbed.workload import SyntheticWorkload
+
+
+class SyntheticTask:
+    def __init__(self, scenario: Scenario):
+        m, w = scenario.model, scenario.workload
+        self.tokens, self.hidden, self.clusters = w.tokens_per_rank, m.hidden_size, m.num_experts
+        self.seed = w.seed
+        g = torch.Generator().manual_seed(w.seed * 1000003 + 17)
+        self.centers_CH = torch.randn(self.clusters, self.hidden, generator=g)
+        self.teachers_CHH = torch.randn(self.clusters, self.hidden, self.hidden, generator=g) / self.hidden ** 0.5
+        self.workload = SyntheticWorkload(scenario)
+
+    def batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_TH, y_TH) in fp32 for ``rank`` at ``step``."""
+        p = torch.from_numpy(self.workload.popularity(step)[0, rank]).float()
+        g = torch.Generator().manual_seed((self.seed * 7919 + step) * 104729 + rank)
+        c_T = torch.multinomial(p, self.tokens, replacement=True, generator=g)
+        x_TH = self.centers_CH[c_T] + 0.5 * torch.randn(self.tokens, self.hidden, generator=g)
+        y_TH = torch.tanh(torch.einsum("th,thk->tk", x_TH, self.teachers_CHH[c_T]))
+        return x_TH, y_TH

@@ -1,0 +1,418 @@
+"""One rank of the real backend: builds its model and runs the training steps.
+
+Per step: every layer forward (``LayerRunner``), the loss (MSE to the task's targets
+plus the aux loss) and its backward, the expert-gradient sync the controller planned
+(all-reduce or two-stage with cached groups, M8-M10), the router-gradient all-reduce,
+plain SGD on router and experts (expert pages updated wherever they live), and the
+heat update with its page moves. Each step's metrics are gathered on rank 0, which
+hands a ``StepRecord`` to ``report`` (the launcher streams it into the run folder).
+
+Weights: expert instance i starts from a generator seeded by (run.seed, i), the same on
+every replica and in the single-process reference. With ``real.check_weights`` each rank
+keeps an unpaged copy and checks after every step that the pages hold exactly it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from real.clock import StageClock
+from real.comm import Comm
+from real.groups import Groups
+from real.layer import LayerRunner, seed_of
+from real.paged_store import PagedExpertStore
+from real.task import SyntheticTask
+from testbed.collectives import ByteLedger
+from testbed.controller import Controller, page_move_count
+from testbed.errors import RunError
+from testbed.pager import PageMoves
+from testbed.planner import padded_elements
+from testbed.results import StepRecord
+from testbed.router import init_router_params
+from testbed.scenario import Scenario
+from testbed.stages import STAGES
+from testbed.topology import Layout
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def initial_expert_flat(run_seed: int, instance: int, hidden: int, ffn: int) -> torch.Tensor:
+    """Initial flat weights (w1 then w2, fp32) of expert instance ``instance``."""
+    g = torch.Generator().manual_seed(seed_of(run_seed, instance, 0xE4))
+    w1 = torch.randn(hidden, ffn, generator=g) / hidden ** 0.5
+    w2 = torch.randn(ffn, hidden, generator=g) / ffn ** 0.5
+    return torch.cat([w1.reshape(-1), w2.reshape(-1)])
+
+
+def initial_router(run_seed: int, layer: int, scenario: Scenario):
+    g = torch.Generator().manual_seed(seed_of(run_seed, layer, 0x7047))
+    m = scenario.model
+    return init_router_params(m.hidden_size, m.num_experts, scenario.router, g)
+
+
+@dataclass
+class RankState:
+    """Everything one rank holds; the layer runner and the step loop share it."""
+
+    scenario: Scenario
+    rank: int
+    device: torch.device
+    layout: Layout = field(init=False)
+
+    def __post_init__(self):
+        s = self.scenario
+        self.dtype = TORCH_DTYPES[s.model.dtype]
+        self.layout = Layout(s)
+        self.controller = Controller(s, paged_ranks=[self.rank], layout=self.layout)
+        self.planner = self.controller.planner
+        self.origin = time.perf_counter()
+        self.clock = StageClock(self.origin, cuda=self.device.type == "cuda")
+        self.ledger = ByteLedger(self.layout)
+        self.comm = Comm(self.rank, self.ledger, lambda: self.clock.current or "route")
+        self.groups = Groups(self.planner)
+        m = s.model
+        self.router = []
+        for layer in range(m.num_layers):
+            w, b = initial_router(s.run.seed, layer, s)
+            self.router.append((w.to(self.device).requires_grad_(), b.to(self.device).requires_grad_()))
+        init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
+        self.store = None
+        self.unpaged: dict[int, torch.Tensor] = {}
+        if s.pager.enabled:
+            self.store = PagedExpertStore(self.controller.pagers[self.rank], m.expert_params,
+                                          self.dtype, self.device, init)
+        else:
+            for i in self.controller.local_instances(self.rank):
+                self.unpaged[int(i)] = init(int(i)).to(self.device, self.dtype)
+        self.shadow = ({int(i): init(int(i)).to(self.device, self.dtype)
+                        for i in self.controller.local_instances(self.rank)}
+                       if s.real.check_weights else None)
+        self.grads: dict[int, torch.Tensor] = {}  # this step's expert weight gradients
+        self.page_bytes = 0
+        self.page_moves = 0
+        self.stall_s = 0.0
+
+    # ---- expert weights ----------------------------------------------------------------------
+    def read_weights(self, instance: int) -> torch.Tensor:
+        return self.store.read(instance) if self.store else self.unpaged[instance].clone()
+
+    # ---- paging -------------------------------------------------------------------------------
+    def execute_moves(self, moves: PageMoves | None, incoming=None, forward: bool = False) -> None:
+        if moves is None or len(moves) == 0 or self.store is None:
+            return
+        t0 = time.perf_counter()
+        nbytes = self.store.execute(moves, incoming)
+        self.ledger.add_pcie("paging", nbytes)
+        self.page_moves += page_move_count(moves)
+        if forward:  # compute waits for these copies (M14 pipelining would hide part of it)
+            self.stall_s += time.perf_counter() - t0
+
+    def backward_pages(self, layer: int) -> None:
+        """Start of a layer's backward: reload the pages of its experts (stage paging)."""
+        with self.clock.region("paging"):
+            plan = self.controller.backward_layer(layer)
+            self.execute_moves(plan.page_moves.get(self.rank), forward=True)
+
+    def refresh(self, ops) -> None:
+        """Stale replicas needed now receive the weights from an up-to-date replica (M9)."""
+        mine = [op for op in ops if self.rank in op.members]
+        if not mine:
+            self._incoming = {}
+            return
+        p2p, incoming = [], {}
+        n = self.scenario.model.expert_params
+        for op in mine:
+            inst = op.layer * self.scenario.model.num_experts + int(op.label.split()[-1])
+            src, dst = op.members
+            if src == self.rank:
+                p2p.append(("send", self.read_weights(inst).contiguous(), dst))
+            else:
+                incoming[inst] = torch.empty(n, dtype=self.dtype, device=self.device)
+                p2p.append(("recv", incoming[inst], src))
+        self.comm.p2p(p2p)
+        for inst, flat in incoming.items():
+            if self.shadow is not None:
+                self.shadow[inst] = flat.clone()
+            if self.store is None:
+                self.unpaged[inst] = flat.clone()
+        self._incoming = incoming
+
+    def take_incoming(self):
+        incoming, self._incoming = getattr(self, "_incoming", {}), {}
+        return incoming
+
+
+class RankRunner:
+    """The training loop of one rank."""
+
+    def __init__(self, scenario: Scenario, rank: int, device: torch.device):
+        self.s = scenario
+        self.st = RankState(scenario, rank, device)
+        self.layers = LayerRunner(self.st)
+        self.task = SyntheticTask(scenario)
+        self.world = scenario.world_size
+        self.routing: list[np.ndarray] = []  # rank 0: [L, W, E] per step
+        self.trace: list[dict] = []
+
+    def run(self, report, debug: dict | None = None) -> dict:
+        """All steps; rank 0 hands each record to ``report``.
+
+        ``debug`` (tests): ``fail_at`` = {"rank": r, "after_steps": n} makes rank r die
+        abruptly after n steps; ``capture`` = True returns every rank's first-step
+        outputs, synced expert gradients, router gradients and updated weights.
+        """
+        debug = debug or {}
+        fail_at = debug.get("fail_at")
+        self.capture = {} if debug.get("capture") else None
+        for step in range(self.s.run.steps):
+            record = self.step(step)
+            if self.st.rank == 0:
+                report(record)
+            if fail_at and fail_at["rank"] == self.st.rank and step + 1 >= fail_at["after_steps"]:
+                os._exit(9)
+        return self._finish()
+
+    def step(self, step: int) -> StepRecord | None:
+        s, st = self.s, self.st
+        st.controller.begin_step(step)
+        st.grads.clear()
+        st.page_moves, st.stall_s = 0, 0.0
+        st.ledger = ByteLedger(st.layout)
+        st.comm.ledger = st.ledger
+        x_TH, y_TH = (t.to(st.device) for t in self.task.batch(step, st.rank))
+        t_start = st.clock.now()
+        # the first MoE layer's input stands for the output of earlier layers: it needs a
+        # gradient, so the first layer's dispatch backward runs like every other's
+        h = x_TH.to(st.dtype).requires_grad_()
+        aux_total = torch.zeros((), device=st.device)
+        routed, dropped = [], 0
+        with ActivationMeter() as meter:
+            for layer in range(s.model.num_layers):
+                h, aux, plan = self.layers.forward(layer, h, step)
+                aux_total = aux_total + aux
+                routed.append(plan.routed)
+                dropped += plan.dropped_slots
+        if self.capture is not None and step == 0:
+            self.capture["output"] = h.detach().clone()
+        resident = st.store.device_bytes if st.store else sum(t.numel() * t.element_size() for t in st.unpaged.values())
+        st.clock.switch("combine_backward")
+        task_loss = torch.mean((h.float() - y_TH) ** 2)
+        loss = task_loss + aux_total
+        (loss / self.world).backward()
+        cache = self._sync()
+        if self.capture is not None and step == 0:
+            self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
+                                            for i in st.controller.local_instances(st.rank)}
+            self.capture["router_grads"] = [(w.grad.clone(), b.grad.clone()) for w, b in st.router]
+        self._optimize()
+        if self.capture is not None and step == 0:
+            g = st.layout.group_of[st.rank]
+            self.capture["experts_after"] = {int(i): st.read_weights(int(i)) for i in st.controller.local_instances(st.rank)
+                                             if st.controller.fresh[int(i), g]}
+        st.clock.switch("heat")
+        end = st.controller.end_step()
+        st.clock.switch("paging")
+        st.execute_moves(end.page_moves.get(st.rank))
+        self._check_weights()
+        st.clock.switch(None)
+        step_time = st.clock.now() - t_start
+        grad_bytes = sum(g.numel() * g.element_size() for g in st.grads.values())
+        peak = (torch.cuda.max_memory_allocated(st.device) if st.device.type == "cuda"
+                else resident + meter.peak_bytes + grad_bytes)
+        totals, regions = st.clock.take()
+        local = {
+            "step_time_s": step_time, "stage_time_s": totals, "by_stage": st.ledger.by_stage,
+            "by_level": st.ledger.level_dict(), "peak": int(peak), "page_moves": st.page_moves,
+            "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
+            "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
+        }
+        for name, t0, t1 in regions:
+            self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": _stream_of(name),
+                               "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
+        gathered = [None] * self.world if st.rank == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if st.rank != 0:
+            return None
+        self.routing.append(np.stack(routed))
+        states = None
+        if end.heat is not None:
+            states = {name: int((end.heat.states == code).sum()) for code, name in enumerate(("hot", "warm", "cold"))}
+        return _merge(step, gathered, int(sum(r.sum() for r in routed)), dropped, cache, states)
+
+    # ---- after the backward ----------------------------------------------------------------------
+    def _grad(self, instance: int) -> torch.Tensor:
+        if instance in self.st.grads:
+            return self.st.grads[instance]
+        return torch.zeros(self.s.model.expert_params, dtype=self.st.dtype, device=self.st.device)
+
+    def _sync(self):
+        s, st = self.s, self.st
+        st.clock.switch("expert_sync")
+        plan = st.controller.sync()
+        if plan.cache is not None:
+            st.groups.apply(plan.cache)
+        E = s.model.num_experts
+        local = list(st.layout.local_experts(st.rank))
+        self.synced: dict[int, torch.Tensor] = {}
+        mine = [op for op in plan.expert_sync_ops if st.rank in op.members]
+        for op in mine:
+            if op.kind == "all_reduce":  # the shard's experts of one layer, one buffer
+                insts = [op.layer * E + e for e in local]
+                buf = torch.cat([self._grad(i) for i in insts])
+                st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
+                for i, part in zip(insts, buf.chunk(len(insts))):
+                    self.synced[i] = part
+        self._two_stage([op for op in mine if op.kind != "all_reduce"])
+        st.clock.switch("dense_sync")
+        for op in plan.dense_sync_ops:
+            w, b = st.router[op.layer]
+            buf = torch.cat([w.grad.reshape(-1), b.grad.reshape(-1)])
+            st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
+            w.grad.copy_(buf[: w.numel()].view_as(w))
+            b.grad.copy_(buf[w.numel():])
+        st.groups.retire()
+        self.sync_plan = plan
+        return plan.cache
+
+    def _two_stage(self, ops) -> None:
+        """M9: reduce-scatter then all-gather within A_e, a batch of experts at a time."""
+        st = self.st
+        E, n = self.s.model.num_experts, self.s.model.expert_params
+        shards: dict[int, torch.Tensor] = {}
+        i = 0
+        while i < len(ops):
+            j = i
+            while j < len(ops) and (ops[j].layer, ops[j].batch) == (ops[i].layer, ops[i].batch):
+                j += 1
+            pending = []
+            for op in ops[i:j]:
+                inst = op.layer * E + int(op.label.split()[-1])
+                pg = st.groups.get(op.members, cached=True)
+                if op.kind == "reduce_scatter":
+                    g = self._grad(inst)
+                    padded = torch.zeros(padded_elements(n, len(op.members)), dtype=g.dtype, device=g.device)
+                    padded[:n] = g
+                    out, work = st.comm.reduce_scatter(padded, op.members, pg, async_op=True)
+                    shards[inst] = out
+                else:
+                    out, work = st.comm.all_gather(shards.pop(inst), op.members, pg, async_op=True)
+                    self.synced[inst] = out
+                pending.append(work)
+            for work in pending:
+                if work is not None:
+                    work.wait()
+            i = j
+        for inst in list(self.synced):
+            self.synced[inst] = self.synced[inst][:n]
+
+    def _optimize(self) -> None:
+        """Plain SGD: router everywhere, experts whose replica receives a gradient."""
+        s, st = self.s, self.st
+        st.clock.switch("optimizer")
+        lr = s.run.learning_rate
+        with torch.no_grad():
+            for w, b in st.router:
+                w -= lr * w.grad
+                b -= lr * b.grad
+                w.grad, b.grad = None, None
+            for inst in self.sync_plan.updated[st.rank]:
+                inst = int(inst)
+                g = self.synced.get(inst, self._grad(inst))
+                if st.store is not None:
+                    shipped = st.store.update(inst, g, lr)
+                    st.ledger.add_pcie("paging", shipped)
+                else:
+                    st.unpaged[inst] = st.unpaged[inst] - lr * g
+                if st.shadow is not None:
+                    st.shadow[inst] = st.shadow[inst] - lr * g
+        st.execute_moves(self.sync_plan.page_moves.get(st.rank))
+
+    def _check_weights(self) -> None:
+        st = self.st
+        if st.shadow is None or st.store is None:
+            return
+        g = st.layout.group_of[st.rank]
+        for inst, ref in st.shadow.items():
+            if st.controller.fresh[inst, g] and not torch.equal(st.store.read(inst), ref):
+                raise RunError(f"rank {st.rank}: paged weights of expert instance {inst} differ from the reference copy")
+
+    def _finish(self) -> dict:
+        events = [None] * self.world if self.st.rank == 0 else None
+        dist.gather_object(self.trace, events, dst=0)
+        captured = [None] * self.world if self.st.rank == 0 else None
+        if self.capture is not None:
+            dist.gather_object(self.capture, captured, dst=0)
+        if self.st.rank != 0:
+            return {}
+        trace = [e for per_rank in events for e in per_rank]
+        return {"trace": trace, "routing": np.stack(self.routing),
+                "group_create_s": self.st.groups.created_s,
+                "captured": captured if self.capture is not None else None}
+
+
+def _stream_of(stage: str) -> str:
+    if stage in ("paging",):
+        return "copy"
+    if stage in ("experts", "experts_backward", "optimizer", "heat", "route", "route_backward"):
+        return "compute"
+    return "comm"
+
+
+def _merge(step, gathered, routed, dropped, cache, states) -> StepRecord:
+    """One StepRecord from every rank's local metrics (see testbed.results for meanings)."""
+    n = len(gathered)
+    by_stage: dict[str, int] = {}
+    by_level: dict[str, int] = {}
+    for g in gathered:
+        for k, v in g["by_stage"].items():
+            by_stage[k] = by_stage.get(k, 0) + int(v)
+        for k, v in g["by_level"].items():
+            by_level[k] = by_level.get(k, 0) + int(v)
+    return StepRecord(
+        step=step,
+        step_time_s=max(g["step_time_s"] for g in gathered),
+        stage_time_s={s: sum(g["stage_time_s"].get(s, 0.0) for g in gathered) / n for s in STAGES},
+        bytes_by_stage=by_stage,
+        bytes_by_level=by_level,
+        peak_memory_bytes=max(g["peak"] for g in gathered),
+        routed_slots=routed,
+        dropped_slots=dropped,
+        page_moves=sum(g["page_moves"] for g in gathered),
+        page_bytes=sum(g["page_bytes"] for g in gathered),
+        page_stall_s=sum(g["stall_s"] for g in gathered) / n,
+        cache_hits=cache.hits if cache else 0,
+        cache_lookups=cache.lookups if cache else 0,
+        loss=sum(g["loss"] for g in gathered) / n,
+        aux_loss=sum(g["aux"] for g in gathered) / n,
+        expert_states=states,
+    )
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd saves for the backward during the forward (CPU memory
+    accounting: the activations a GPU would hold at the end of the forward)."""
+
+    def __init__(self):
+        self.peak_bytes = 0
+        self._seen: set[int] = set()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key not in self._seen:
+            self._seen.add(key)
+            self.peak_bytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)

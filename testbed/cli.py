@@ -1,0 +1,118 @@
+"""The ``testbed`` command: run a scenario, write a report, list the scenario fields.
+
+Every user error (bad scenario, missing file, unknown backend) is printed as one line
+``testbed: error: FIELD = VALUE: reason`` and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from testbed.errors import RunError, ScenarioError
+from testbed.scenario import field_docs
+from testbed.scenario_file import load_scenario
+from testbed.stages import STAGES
+from testbed.units import format_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ScenarioError, RunError) as e:
+        print(f"testbed: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("testbed: stopped; the steps finished so far are in the run folder", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="testbed", description="MoE infrastructure testbed: one scenario, a simulator and real PyTorch ranks.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a scenario and store it under run.output_dir")
+    run.add_argument("config", nargs="?", help="scenario TOML file (default: the built-in quick-start scenario)")
+    run.add_argument("--backend", default="sim", help="sim (default) or real")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one scenario field (repeatable)")
+    run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    run.add_argument("--no-progress", action="store_true", help="do not show progress on stderr")
+    run.set_defaults(func=_cmd_run)
+
+    rep = sub.add_parser("report", help="compare runs in one self-contained HTML page")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("-o", "--output", required=True, metavar="FILE.html")
+    rep.set_defaults(func=_cmd_report)
+
+    chk = sub.add_parser("check", help="validate a scenario file and print it resolved")
+    chk.add_argument("config")
+    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    chk.set_defaults(func=_cmd_check)
+
+    fld = sub.add_parser("fields", help="list every scenario field with its default and meaning")
+    fld.set_defaults(func=_cmd_fields)
+    return p
+
+
+def _cmd_run(args) -> int:
+    from testbed.runner import run_scenario
+
+    scenario = load_scenario(args.config, args.overrides)
+    summary = run_scenario(scenario, args.backend, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_summary(summary))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from testbed.report import write_comparison_report
+
+    path = write_comparison_report(args.run_dirs, args.output)
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    import tomli_w
+
+    print(tomli_w.dumps(load_scenario(args.config, args.overrides).to_dict()), end="")
+    return 0
+
+
+def _cmd_fields(args) -> int:
+    for name, default, text in field_docs():
+        print(f"{name:38s} {default!r:>14}  {text}")
+    return 0
+
+
+def format_summary(s: dict) -> str:
+    """The summary as a few readable lines."""
+    ms = lambda x: f"{x * 1e3:.3f} ms"  # noqa: E731
+    stages = " | ".join(f"{k} {ms(v)}" for k, v in s["stage_time_s"].items() if v > 0)
+    stage_bytes = " | ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_by_stage"].items() if v > 0)
+    levels = " | ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_by_level"].items())
+    hit = s.get("group_cache_hit_rate")
+    lines = [
+        f"run        {s['run_dir']}  ({s['backend']}, {s['steps']} steps, {s['measured_steps']} measured)",
+        f"step time  {ms(s['step_time_s'])} (median)",
+        f"stages     {stages}",
+        f"bytes      {stage_bytes or '0'}  (per step, all ranks)",
+        f"levels     {levels}",
+        f"memory     peak {format_bytes(s['peak_memory_bytes'])} on the fullest rank",
+        f"dropped    {100 * s['dropped_token_fraction']:.2f}% of routed slots",
+        f"paging     {s['page_moves_per_step']:.1f} page moves per step",
+        f"cache      {'n/a (no cached groups)' if hit is None else f'{100 * hit:.1f}% hit rate'}",
+    ]
+    if s.get("loss_first") is not None:
+        lines.append(f"loss       {s['loss_first']:.4f} -> {s['loss_last']:.4f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Collective operations as the planner emits them, and the bytes they move.
+
+One ``CollectiveOp`` is one call of a collective on a group of ranks. Both backends read
+the same op: the simulator times it on its network, the real backend executes it with
+torch.distributed and counts the bytes from the tensors it really passed, with the
+functions below. Bytes are *wire bytes* of the standard algorithm, the quantity
+nccl-tests calls bus bytes:
+
+- ``all_to_all_v`` (direct): every off-diagonal entry of the send matrix;
+- ``all_gather`` (ring), ``size`` = bytes each member contributes: ``p (p-1) size``;
+- ``reduce_scatter`` (ring), ``size`` = input bytes per member: ``(p-1) size``;
+- ``all_reduce`` (ring), ``size`` = tensor bytes: ``2 (p-1) size``;
+- ``p2p``: ``size`` when source and destination differ.
+
+A library that runs an op with another algorithm (gloo's reduce-scatter is an
+all-reduce) moves more on the wire; the simulator models that in *time* from the
+machine profile, while bytes stay these, so that both backends report the same
+``bytes_by_stage`` for the same routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from testbed.topology import LEVELS, Layout
+
+KINDS = ("all_to_all_v", "all_gather", "reduce_scatter", "all_reduce", "p2p")
+
+
+@dataclass(frozen=True, eq=False)
+class CollectiveOp:
+    """One collective call.
+
+    kind     one of ``KINDS``
+    members  global ranks, ascending (= ring order); p2p: (src, dst)
+    stage    a stage name from ``testbed.stages``
+    layer    MoE layer index, -1 for ops that belong to no layer
+    size     bytes: per-member contribution (all_gather), per-member input
+             (reduce_scatter, all_reduce) or the message (p2p); 0 for all_to_all_v
+    matrix   all_to_all_v only: matrix[i, j] = bytes member i sends member j
+    batch    ops of one stage and layer with the same batch may run concurrently
+    stream   concurrent stream within the batch (M9's batches of experts)
+    cached   the group comes from the expert group cache (M10), not a fixed group
+    label    free text for traces ("expert 5", "tokens")
+    """
+
+    kind: str
+    members: tuple[int, ...]
+    stage: str
+    layer: int = -1
+    size: int = 0
+    matrix: np.ndarray | None = field(default=None, repr=False)
+    batch: int = 0
+    stream: int = 0
+    cached: bool = False
+    label: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown collective kind {self.kind!r}")
+        # rings follow group rank order, which NCCL and gloo take from the global ranks
+        if self.kind != "p2p" and any(a >= b for a, b in zip(self.members, self.members[1:])):
+            raise ValueError(f"members of a {self.kind} must be strictly increasing ranks: {self.members}")
+        if self.kind == "all_to_all_v":
+            p = len(self.members)
+            if self.matrix is None or self.matrix.shape != (p, p):
+                raise ValueError("all_to_all_v needs a members x members byte matrix")
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def wire_bytes(self) -> int:
+        return wire_bytes(self.kind, len(self.members), self.size, self.matrix, self.members)
+
+    def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return transfers(self.kind, self.members, self.size, self.matrix)
+
+
+def wire_bytes(kind: str, group_size: int, size: int, matrix: np.ndarray | None = None,
+               members: tuple[int, ...] | None = None) -> int:
+    """Bytes the standard algorithm sends between distinct ranks (see module doc)."""
+    p = group_size
+    if kind == "all_to_all_v":
+        m = np.asarray(matrix, dtype=np.int64)
+        return int(m.sum() - np.trace(m))
+    if kind == "p2p":
+        return 0 if members is not None and members[0] == members[1] else int(size)
+    if p <= 1:
+        return 0
+    if kind == "all_gather":
+        return p * (p - 1) * int(size)
+    if kind == "reduce_scatter":
+        return (p - 1) * int(size)
+    if kind == "all_reduce":
+        return 2 * (p - 1) * int(size)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def transfers(kind: str, members: tuple[int, ...], size: int, matrix: np.ndarray | None = None):
+    """The (src, dst, bytes) rank-to-rank transfers of the standard algorithm.
+
+    Direct all-to-all: one transfer per off-diagonal pair. Ring collectives: member i
+    sends to member i+1 the per-member share of the wire bytes. Returns three int64
+    arrays whose byte total equals ``wire_bytes``.
+    """
+    m = np.asarray(members, dtype=np.int64)
+    p = len(m)
+    if kind == "all_to_all_v":
+        mat = np.asarray(matrix, dtype=np.int64)
+        i, j = np.nonzero(mat)
+        keep = i != j
+        return m[i[keep]], m[j[keep]], mat[i[keep], j[keep]]
+    if kind == "p2p":
+        if m[0] == m[1] or size == 0:
+            return m[:0], m[:0], m[:0]
+        return m[:1], m[1:2], np.array([size], dtype=np.int64)
+    if p <= 1:
+        return m[:0], m[:0], m[:0]
+    per_member = wire_bytes(kind, p, size) // p
+    return m, np.roll(m, -1), np.full(p, per_member, dtype=np.int64)
+
+
+def bytes_by_level(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, layout: Layout) -> np.ndarray:
+    """Sum of ``nbytes`` per fabric level (nvlink, leaf, spine), as an int64 array of 3."""
+    if len(src) == 0:
+        return np.zeros(3, dtype=np.int64)
+    levels = layout.level_matrix[src, dst]
+    return np.bincount(levels, weights=nbytes, minlength=3)[:3].astype(np.int64)
+
+
+class ByteLedger:
+    """Running totals of bytes per stage and per level (nvlink, leaf, spine, pcie)."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.by_stage: dict[str, int] = {}
+        self.by_level = np.zeros(len(LEVELS), dtype=np.int64)
+
+    def add_transfers(self, stage: str, src, dst, nbytes) -> None:
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        self.by_stage[stage] = self.by_stage.get(stage, 0) + int(nbytes.sum())
+        self.by_level[:3] += bytes_by_level(np.asarray(src), np.asarray(dst), nbytes, self.layout)
+
+    def add_op(self, op: CollectiveOp) -> None:
+        self.add_transfers(op.stage, *op.transfers())
+
+    def add_pcie(self, stage: str, nbytes: int) -> None:
+        self.by_stage[stage] = self.by_stage.get(stage, 0) + int(nbytes)
+        self.by_level[3] += int(nbytes)
+
+    def level_dict(self) -> dict[str, int]:
+        return {name: int(v) for name, v in zip(LEVELS, self.by_level)}
+
+    def merge(self, other: "ByteLedger") -> None:
+        for k, v in other.by_stage.items():
+            self.by_stage[k] = self.by_stage.get(k, 0) + v
+        self.by_level += other.by_level

@@ -1,0 +1,282 @@
+"""The controller: every policy decision of a step, in the order a step makes them.
+
+Both backends drive the same controller: for each MoE layer, forward, it is given the
+routed counts of every rank (``forward_layer``) and answers with the kept counts (M2),
+the collective ops of the route / replica-refresh / dispatch / combine stages (M5, M7,
+M9), and the page moves of the ranks it pages (M12-M16); for each layer, backward, the
+mirrored ops; after the backward, the expert-sync and dense-sync ops with the group-cache
+lookups (M8-M10) and the page moves of the weight update; at the end of the step, the
+heat map update (M18-M20) and the cold / wake / hot page moves it triggers.
+
+It is deterministic given the scenario and the routed counts, so the simulator keeps
+one for the whole cluster and every real rank keeps one of its own (paging only its own
+GPU): they all take the same decisions.
+
+Expert *instances* are (layer, expert) pairs numbered ``layer * E + expert``. Replica
+``g`` of an instance is the copy in EP group ``g``. Under two-stage sync (M9) only the
+replicas whose group routed tokens to the expert receive the summed gradient; the others
+become stale and are refreshed from the nearest up-to-date replica (a p2p op in the
+``paging`` stage) before they are next used. The optimizer is plain SGD, so an expert
+nobody routed to has a zero gradient and does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from testbed.capacity import expert_capacity, kept_counts
+from testbed.collectives import CollectiveOp
+from testbed.group_cache import CacheEvents, GroupCache
+from testbed.heat import HeatMap, HeatUpdate, below
+from testbed.pager import REASONS, PageMoves, RankPager
+from testbed.planner import Planner
+from testbed.scenario import Scenario
+from testbed.topology import Layout
+
+
+@dataclass
+class LayerForward:
+    """Decisions for one layer's forward pass."""
+
+    layer: int
+    routed: np.ndarray  # [W, E] slots routed per rank and expert
+    kept: np.ndarray  # [W, E] slots kept under capacity
+    active: np.ndarray  # [R, E] EP group g kept at least one slot for expert e
+    route_ops: list[CollectiveOp]
+    refresh_ops: list[CollectiveOp]
+    dispatch_ops: list[CollectiveOp]
+    combine_ops: list[CollectiveOp]
+    page_moves: dict[int, PageMoves]  # per paged rank: refresh rows then access rows
+
+    @property
+    def dropped_slots(self) -> int:
+        return int(self.routed.sum() - self.kept.sum())
+
+
+@dataclass
+class LayerBackward:
+    layer: int
+    combine_backward_ops: list[CollectiveOp]
+    dispatch_backward_ops: list[CollectiveOp]
+    page_moves: dict[int, PageMoves]  # per paged rank: reloads before the experts' backward
+
+
+@dataclass
+class SyncPlan:
+    """Gradient sync and weight update after the backward pass."""
+
+    expert_sync_ops: list[CollectiveOp]
+    dense_sync_ops: list[CollectiveOp]
+    cache: CacheEvents | None  # None under allreduce sync (no cached groups)
+    updated: dict[int, np.ndarray]  # per rank of paged_ranks: local instances whose weights change
+    page_moves: dict[int, PageMoves]  # per paged rank: update rows then stale rows
+
+
+@dataclass
+class StepEnd:
+    heat: HeatUpdate | None  # None when no heat update was due
+    page_moves: dict[int, PageMoves] = field(default_factory=dict)
+
+
+class Controller:
+    """The replicated policy state machine of one run (see the module doc)."""
+
+    def __init__(self, scenario: Scenario, paged_ranks=None, layout: Layout | None = None):
+        self.s = scenario
+        self.layout = layout or Layout(scenario)
+        self.planner = Planner(scenario, self.layout)
+        m, lay = scenario.model, self.layout
+        self.E, self.L = m.num_experts, m.num_layers
+        self.capacity = expert_capacity(scenario.workload.tokens_per_rank, m.top_k, m.num_experts,
+                                        scenario.router.capacity_factor, lay.ep_size,
+                                        scenario.router.pad_capacity_to_ep)
+        self.paged_ranks = list(range(lay.world) if paged_ranks is None else paged_ranks)
+        self.pagers: dict[int, RankPager] = {}
+        if scenario.pager.enabled:
+            for r in self.paged_ranks:
+                self.pagers[r] = RankPager(r, self.local_instances(r), m.expert_bytes, scenario.pager)
+        self.pages_per_expert = -(-m.expert_bytes // scenario.pager.page_size_bytes)
+        #: fresh[i, g]: replica g of instance i holds the latest weights
+        self.fresh = np.ones((self.L * self.E, lay.replicas), dtype=bool)
+        self.cache = GroupCache(scenario.comm.group_cache_size)
+        self.heat = HeatMap(self.L * self.E, scenario.heat, np.random.default_rng([scenario.run.seed, 0x4EA7]))
+        self.step = -1
+        self._kept: dict[int, np.ndarray] = {}
+        self._active: dict[int, np.ndarray] = {}
+
+    # ---- placement helpers ----------------------------------------------------------------
+    def local_instances(self, rank: int) -> np.ndarray:
+        """Instance ids of the expert replicas ``rank`` holds, layer-major."""
+        local = np.array(self.layout.local_experts(rank))
+        return (np.arange(self.L)[:, None] * self.E + local[None, :]).reshape(-1)
+
+    def _replica_rank(self, group: int, expert: int) -> int:
+        return self.layout.expert_rank(group, expert)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._kept.clear()
+        self._active.clear()
+
+    def forward_layer(self, layer: int, routed: np.ndarray) -> LayerForward:
+        """Decide everything of one layer's forward from ``routed`` [W, E] slot counts."""
+        routed = np.asarray(routed)
+        kept = kept_counts(routed, self.capacity)
+        lay = self.layout
+        active = kept[lay.rank_of].sum(axis=1) > 0  # [R, P, E] -> [R, E]
+        self._kept[layer], self._active[layer] = kept, active
+        refresh_ops, moves = self._refresh_stale(layer, active)
+        for r, pager in self.pagers.items():
+            moves.setdefault(r, []).append(self._access(r, layer))
+        p = self.planner
+        return LayerForward(
+            layer, routed, kept, active,
+            route_ops=p.route_ops(layer),
+            refresh_ops=refresh_ops,
+            dispatch_ops=p.token_ops("dispatch", layer, kept),
+            combine_ops=p.token_ops("combine", layer, kept),
+            page_moves={r: PageMoves.concat(parts) for r, parts in moves.items()},
+        )
+
+    def local_instances_needed(self, rank: int, layer: int) -> np.ndarray:
+        """Instances of ``layer`` on ``rank`` that its EP group routed tokens to."""
+        experts = np.array(self.layout.local_experts(rank))
+        used = self._active[layer][self.layout.group_of[rank], experts]
+        return layer * self.E + experts[used]
+
+    def _access(self, rank: int, layer: int) -> PageMoves:
+        """Pages of the layer's needed experts onto the GPU, pinned only while the layer
+        computes: the next layer may evict them (and the backward loads them again)."""
+        pager = self.pagers[rank]
+        moves = pager.access(self.local_instances_needed(rank, layer), self.step)
+        pager.end_step()  # unpin
+        return moves
+
+    def _refresh_stale(self, layer: int, active: np.ndarray):
+        """p2p ops that bring stale replicas that are needed now up to date (M9, M16)."""
+        ops: list[CollectiveOp] = []
+        moves: dict[int, list[PageMoves]] = {}
+        lay = self.layout
+        base = layer * self.E
+        need = active & ~self.fresh[base:base + self.E].T  # [R, E]
+        for g, e in zip(*np.nonzero(need)):
+            i = base + e
+            sources = np.flatnonzero(self.fresh[i])
+            src_ranks = lay.rank_of[sources, lay.shard_of_expert(e)]
+            dst = self._replica_rank(g, e)
+            # nearest up-to-date replica: lowest link level, then lowest rank
+            src = int(src_ranks[np.lexsort((src_ranks, lay.level_matrix[src_ranks, dst]))[0]])
+            ops.append(CollectiveOp("p2p", (src, dst), "paging", layer, size=self.s.model.expert_bytes,
+                                    label=f"refresh expert {e}"))
+            self.fresh[i, g] = True
+            if dst in self.pagers:
+                moves.setdefault(dst, []).append(self.pagers[dst].refresh(np.array([i]), self.step))
+        return ops, moves
+
+    def backward_layer(self, layer: int) -> LayerBackward:
+        """Ops of one layer's backward, and the page moves that bring its experts back."""
+        kept = self._kept[layer]
+        return LayerBackward(layer,
+                             self.planner.token_ops("combine_backward", layer, kept),
+                             self.planner.token_ops("dispatch_backward", layer, kept),
+                             {r: self._access(r, layer) for r in self.pagers})
+
+    def active_groups(self, layer: int) -> list[tuple[int, ...]]:
+        """A_e for every expert of ``layer``: sorted ranks of replicas that hold a gradient."""
+        active = self._active[layer]
+        return [tuple(sorted(self._replica_rank(g, e) for g in np.flatnonzero(active[:, e])))
+                for e in range(self.E)]
+
+    def sync(self) -> SyncPlan:
+        """Expert and dense gradient sync after the backward, and the weight update."""
+        two_stage = self.s.comm.expert_sync == "two_stage"
+        expert_ops: list[CollectiveOp] = []
+        dense_ops: list[CollectiveOp] = []
+        cache = CacheEvents() if two_stage and self.layout.replicas > 1 else None
+        comm_heat = np.zeros(self.L * self.E)
+        fresh_before = self.fresh.copy()
+        for layer in reversed(range(self.L)):  # gradients are ready last layer first
+            groups = self.active_groups(layer)
+            ops = self.planner.expert_sync_ops(layer, groups)
+            expert_ops += ops
+            dense_ops += self.planner.dense_sync_ops(layer)
+            if cache is not None:
+                self.cache.lookup([op.members for op in ops if op.kind == "reduce_scatter"], cache)
+            self._comm_heat(layer, groups, ops, comm_heat)
+            if two_stage:
+                self._mark_stale(layer, groups)
+        self._comm_heat_step = comm_heat
+        active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
+        any_tokens = active.any(axis=1).reshape(-1)  # [L*E]: the summed gradient is non-zero
+        updated, moves = {}, {}
+        for r in self.paged_ranks:
+            local = self.local_instances(r)
+            g = self.layout.group_of[r]
+            if two_stage:  # only A_e's members receive the gradient (M9)
+                changed = active[:, g, :].reshape(-1)[local]
+            else:
+                changed = any_tokens[local]
+            updated[r] = local[changed]
+            pager = self.pagers.get(r)
+            if pager is not None:
+                newly_stale = local[fresh_before[local, g] & ~self.fresh[local, g]]
+                moves[r] = PageMoves.concat([pager.apply_update(updated[r]), pager.invalidate(newly_stale)])
+        return SyncPlan(expert_ops, dense_ops, cache, updated, moves)
+
+    def _mark_stale(self, layer: int, groups: list[tuple[int, ...]]) -> None:
+        base = layer * self.E
+        active = self._active[layer]
+        for e in range(self.E):
+            if active[:, e].any():  # a non-empty A_e changes the weights: others fall behind
+                self.fresh[base + e] = active[:, e]
+
+    def _comm_heat(self, layer, groups, ops, out) -> None:
+        """Bytes of expert sync attributed to each expert of ``layer`` (M18's comm heat)."""
+        base = layer * self.E
+        if self.s.comm.expert_sync == "two_stage":
+            for op in ops:
+                out[base + int(op.label.split()[-1])] += op.wire_bytes
+        else:  # one all-reduce per shard, shared equally by its experts
+            per_rank = self.layout.experts_per_rank
+            for op in ops:
+                j = int(op.label.split()[-1])
+                out[base + j * per_rank: base + (j + 1) * per_rank] += op.wire_bytes / per_rank
+
+    def end_step(self, compute_heat: np.ndarray | None = None) -> StepEnd:
+        """Record the step's heat (M18) and, when due, update it and move pages (M13, M19, M20).
+
+        ``compute_heat`` [L*E] overrides the token-count compute heat (heat.compute_source
+        = measured: the backend passes its measured expert seconds).
+        """
+        kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
+        active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
+        tokens = kept.sum(axis=1).reshape(-1).astype(np.float64)
+        # every page of an expert is read in the forward and again in the backward
+        memory = (2 * active.sum(axis=1) * self.pages_per_expert).reshape(-1).astype(np.float64)
+        compute = tokens if compute_heat is None else np.asarray(compute_heat, dtype=np.float64)
+        self.heat.record(compute, memory, self._comm_heat_step)
+        if not self.heat.is_due(self.step):
+            return StepEnd(None)
+        update = self.heat.update(self.step)
+        level = np.percentile(update.scores, self.s.pager.cold_percentile)
+        below_cold = below(update.scores, level)
+        moves = {}
+        for r, pager in self.pagers.items():
+            local = self.local_instances(r)
+            moves[r] = pager.heat_update(below_cold[local], update.states[local], update.woken[local], self.step)
+        return StepEnd(update, moves)
+
+    @property
+    def tokens_routed(self) -> int:
+        return int(sum(k.sum() for k in self._kept.values()))
+
+
+
+def page_move_count(moves: PageMoves) -> int:
+    """Page relocations in ``moves``: loads, write-backs, drops and refreshes; gradient
+    shipping (``update``) and invalidation of stale replicas (``stale``) are not moves."""
+    not_moves = np.isin(moves.reason, [REASONS.index("update"), REASONS.index("stale")])
+    return int(len(moves) - not_moves.sum())

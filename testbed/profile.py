@@ -1,0 +1,358 @@
+"""Machine profiles: the link, compute, copy and collective figures of one machine.
+
+A profile is one TOML file. The simulator times work with it; the real backend and
+``testbed calibrate`` write measured ones. Every key carries its unit in its name:
+``GBps`` = 1e9 bytes/s per direction, ``us`` = microseconds, ``ms`` = milliseconds,
+``MiB`` = 2**20 bytes, ``tflops`` = 1e12 FLOP/s. Sections (each key is documented in the
+dataclasses below; ``field_docs()`` lists them):
+
+- top level: name, description, source, machine, date, ``[versions]`` (free strings);
+- ``[links.nvlink|nic|spine|pcie]``: bandwidth per direction and latency per link (M21);
+- ``[compute]``: peak FLOP/s per dtype, efficiency curves of expert GEMMs by tokens per
+  expert for the grouped and the per-expert loop kernel (M22), memory bandwidth, launch;
+- ``[copy]``: host<->device copy bandwidth by page size, per-copy latency, overlap;
+- ``[collectives]``: algorithm per collective kind, per-call latency, communicator
+  creation (M10), discovery;
+- ``[overheads]``: heat-map update and router fixed costs.
+
+Lookup (``load_profile``): an existing file path, else ``./profiles/NAME.toml`` (user or
+calibrated profiles, relative to the current directory), else the built-in
+``testbed/profiles/NAME.toml``. Bad values raise ``ScenarioError`` naming the key.
+No simulator or torch import here: both backends share this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import tomli_w
+
+from testbed.errors import ScenarioError
+
+BUILTIN_DIR = Path(__file__).parent / "profiles"
+BUILTINS = ("local-cpu", "a100-seed", "h200")
+#: algorithms the simulator can time, per collective kind (first = standard)
+ALGORITHMS = {
+    "all_reduce": ("ring",),
+    "reduce_scatter": ("ring", "all_reduce"),  # all_reduce: gloo reduces the full tensor
+    "all_gather": ("ring",),
+    "all_to_all_v": ("direct",),
+}
+MiB = 2**20
+
+
+# ---- field declarations --------------------------------------------------------------
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def _fraction(v):
+    return None if 0 <= v <= 1 else "must be between 0 and 1"
+
+
+def _efficiency(v):
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _num(doc: str, check: Callable[[float], str | None] = _positive):
+    return field(metadata={"doc": doc, "kind": "float", "check": check})
+
+
+def _text(doc: str, choices: tuple[str, ...] = ()):
+    return field(metadata={"doc": doc, "kind": "str", "choices": choices})
+
+
+def _curve(doc: str, check: Callable[[float], str | None]):
+    """A table of (x, y) points, x > 0 strictly increasing; stored as a tuple of pairs."""
+    return field(metadata={"doc": doc, "kind": "curve", "check": check})
+
+
+def _section(cls: type, doc: str):
+    return field(metadata={"doc": doc, "kind": "section", "cls": cls})
+
+
+def _log_interp(x, points: tuple[tuple[float, float], ...]):
+    """Piecewise-linear interpolation in log(x), clamped to the end values."""
+    xs = np.log([p[0] for p in points])
+    ys = np.array([p[1] for p in points])
+    out = np.interp(np.log(np.maximum(np.asarray(x, dtype=np.float64), 1e-300)), xs, ys)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+# ---- sections ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkFigures:
+    """One link class. Bandwidth is per direction; latency is per link crossed."""
+
+    bandwidth_GBps: float = _num("bandwidth per direction, 1e9 bytes/s")
+    latency_us: float = _num("latency of one link (a path adds those of its links), us", _non_negative)
+
+    @property
+    def bandwidth(self) -> float:
+        """bytes/s"""
+        return self.bandwidth_GBps * 1e9
+
+    @property
+    def latency(self) -> float:
+        """seconds"""
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link classes of the three-level topology (M21) plus PCIe."""
+
+    nvlink: LinkFigures = _section(LinkFigures, "GPU <-> NVLink switch of its node (usable, per direction)")
+    nic: LinkFigures = _section(LinkFigures, "GPU NIC <-> InfiniBand leaf of its micro-cluster (achieved)")
+    spine: LinkFigures = _section(LinkFigures, "leaf <-> spine, per GPU-equivalent share before leaf_spine_oversubscription")
+    pcie: LinkFigures = _section(LinkFigures, "GPU <-> host memory of its node (pinned copies)")
+
+
+@dataclass(frozen=True)
+class PeakTflops:
+    """Dense matmul ceiling per dtype, 1e12 FLOP/s."""
+
+    fp32: float = _num("fp32 ceiling, TFLOP/s")
+    bf16: float = _num("bf16 ceiling, TFLOP/s")
+    fp16: float = _num("fp16 ceiling, TFLOP/s")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of peak reached by expert GEMMs, by tokens per expert (M22).
+
+    Points are (tokens per expert, efficiency), interpolated in log(tokens) and clamped
+    at both ends.
+    """
+
+    grouped: tuple[tuple[float, float], ...] = _curve("grouped GEMM: (tokens per expert, fraction of peak)", _efficiency)
+    loop: tuple[tuple[float, float], ...] = _curve("one GEMM per expert: (tokens per expert, fraction of peak)", _efficiency)
+
+
+@dataclass(frozen=True)
+class ComputeFigures:
+    """Roofline figures of one GPU (or one CPU rank)."""
+
+    peak_tflops: PeakTflops = _section(PeakTflops, "matmul ceilings per dtype")
+    efficiency: Efficiency = _section(Efficiency, "expert GEMM efficiency curves")
+    memory_GBps: float = _num("device memory bandwidth, bytes read + written per s / 1e9")
+    launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", _non_negative)
+
+    def peak(self, dtype: str) -> float:
+        """FLOP/s of ``dtype`` (fp32, bf16, fp16)."""
+        return getattr(self.peak_tflops, dtype) * 1e12
+
+    def efficiency_at(self, kernel: str, tokens):
+        """Fraction of peak of ``kernel`` (grouped, loop) at ``tokens`` per expert."""
+        if kernel not in ("grouped", "loop"):
+            raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+        return _log_interp(tokens, getattr(self.efficiency, kernel))
+
+
+@dataclass(frozen=True)
+class CopyFigures:
+    """Host <-> device copies of pages (M12-M16)."""
+
+    table: tuple[tuple[float, float], ...] = _curve("(page size MiB, GBps) of streamed pinned copies", _positive)
+    latency_us: float = _num("fixed cost per copy, us", _non_negative)
+    overlap: float = _num("fraction of copy time hidden behind concurrent compute", _fraction)
+
+    def GBps(self, page_bytes):
+        """Copy bandwidth (1e9 bytes/s) for pages of ``page_bytes``, interpolated in log size."""
+        return _log_interp(np.asarray(page_bytes, dtype=np.float64) / MiB, self.table)
+
+    def time(self, page_bytes):
+        """Seconds to copy one page of ``page_bytes``: latency + bytes / bandwidth."""
+        b = np.asarray(page_bytes, dtype=np.float64)
+        out = self.latency_us * 1e-6 + b / (np.asarray(self.GBps(b)) * 1e9)
+        return float(out) if np.ndim(out) == 0 else out
+
+
+@dataclass(frozen=True)
+class Algorithms:
+    """Algorithm the communication library runs for each collective kind."""
+
+    all_reduce: str = _text("ring", ALGORITHMS["all_reduce"])
+    reduce_scatter: str = _text("ring, or all_reduce (the library all-reduces the full tensor: gloo)", ALGORITHMS["reduce_scatter"])
+    all_gather: str = _text("ring", ALGORITHMS["all_gather"])
+    all_to_all_v: str = _text("direct (one message per pair)", ALGORITHMS["all_to_all_v"])
+
+
+@dataclass(frozen=True)
+class CollectiveFigures:
+    """Communication library costs."""
+
+    algorithm: Algorithms = _section(Algorithms, "algorithm per collective kind")
+    latency_us: float = _num("fixed software cost of one collective call, us", _non_negative)
+    group_create_ms: float = _num("creating a new communicator for an uncached group (M10), ms", _non_negative)
+    discovery_us: float = _num("one active-group discovery round on a cache miss (M10), us", _non_negative)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed costs of the testbed's own bookkeeping."""
+
+    heat_update_us_per_expert: float = _num("heat-map update (M18), us per expert", _non_negative)
+    router_us: float = _num("router call beyond its GEMM (softmax, top-k, capacity), us per layer", _non_negative)
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Everything the simulator needs to know about one machine type."""
+
+    name: str = _text("short name, the file stem of built-ins")
+    description: str = _text("one line on the machine")
+    source: str = _text("where the figures come from, and which are assumptions")
+    machine: str = _text("hardware the figures describe")
+    date: str = _text("when the figures were taken")
+    versions: dict = field(metadata={"doc": "library versions (name = version), free strings", "kind": "strmap"})
+    links: Links = _section(Links, "link classes (M21)")
+    compute: ComputeFigures = _section(ComputeFigures, "roofline compute figures")
+    copy: CopyFigures = _section(CopyFigures, "host <-> device page copies")
+    collectives: CollectiveFigures = _section(CollectiveFigures, "communication library")
+    overheads: Overheads = _section(Overheads, "testbed bookkeeping")
+
+    def to_dict(self) -> dict:
+        """Plain TOML-ready mapping (curves as lists of [x, y])."""
+        return _plain(self)
+
+
+# ---- reading and writing -------------------------------------------------------------
+def profile_from_dict(data: dict, label: str = "profile") -> MachineProfile:
+    """Build a profile from a parsed TOML mapping; errors name ``profile LABEL: key``."""
+    return _build(MachineProfile, data, "", label)
+
+
+def load_profile(name_or_path: str | Path, search_dirs: Iterable[Path] | None = None) -> MachineProfile:
+    """Load a profile by file path or by name (see module doc for the lookup order).
+
+    ``search_dirs`` replaces the default ``(./profiles, testbed/profiles)``.
+    """
+    path = find_profile(name_or_path, search_dirs)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ScenarioError("cluster.profile", str(name_or_path), f"cannot read {path}: {e}") from None
+    label = data.get("name") if isinstance(data.get("name"), str) else path.stem
+    return profile_from_dict(data, label)
+
+
+def find_profile(name_or_path: str | Path, search_dirs: Iterable[Path] | None = None) -> Path:
+    """Path of the profile file ``name_or_path`` names; ScenarioError when there is none."""
+    given = Path(name_or_path)
+    if given.is_file():
+        return given
+    dirs = [Path(d) for d in search_dirs] if search_dirs is not None else [Path("profiles"), BUILTIN_DIR]
+    for d in dirs:
+        candidate = d / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(d) for d in dirs)
+    raise ScenarioError("cluster.profile", str(name_or_path),
+                        f"no such file and no {name_or_path}.toml in {looked} (built-ins: {', '.join(BUILTINS)})")
+
+
+def save_profile(profile: MachineProfile, path: str | Path) -> Path:
+    """Write ``profile`` as TOML; ``load_profile(path) == profile``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "# Machine profile; every key is documented in testbed/profile.py.\n"
+    path.write_text(header + tomli_w.dumps(profile.to_dict()))
+    return path
+
+
+def field_docs() -> list[tuple[str, str]]:
+    """(dotted key, doc) of every profile key, in file order."""
+    rows = []
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            if f.metadata["kind"] == "section":
+                walk(f.metadata["cls"], key + ".")
+            else:
+                rows.append((key, f.metadata["doc"]))
+    walk(MachineProfile, "")
+    return rows
+
+
+def _error(label: str, key: str, value: Any, reason: str) -> ScenarioError:
+    return ScenarioError(f"profile {label}: {key}", value, reason)
+
+
+def _build(cls: type, data: Any, prefix: str, label: str):
+    if not isinstance(data, dict):
+        raise _error(label, prefix.rstrip(".") or "profile", data, "expected a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(fields)})"
+            raise _error(label, prefix + key, value, "unknown key" + hint)
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            raise _error(label, prefix + name, None, "missing: " + f.metadata["doc"])
+        kwargs[name] = _coerce(f.metadata, data[name], prefix + name, label)
+    return cls(**kwargs)
+
+
+def _number(value: Any, key: str, label: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _error(label, key, value, "expected a finite number")
+    return float(value)
+
+
+def _coerce(meta: dict, value: Any, key: str, label: str) -> Any:
+    kind = meta["kind"]
+    if kind == "section":
+        return _build(meta["cls"], value, key + ".", label)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise _error(label, key, value, "expected a string")
+        if meta["choices"] and value not in meta["choices"]:
+            raise _error(label, key, value, "expected one of " + ", ".join(meta["choices"]))
+        return value
+    if kind == "strmap":
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise _error(label, key, value, "expected a table of strings")
+        return dict(value)
+    if kind == "float":
+        v = _number(value, key, label)
+        reason = meta["check"](v)
+        if reason:
+            raise _error(label, key, value, reason)
+        return v
+    # curve: [[x, y], ...]
+    if not isinstance(value, list) or not value or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise _error(label, key, value, "expected a non-empty list of [x, y] pairs")
+    points = tuple((_number(x, key, label), _number(y, key, label)) for x, y in value)
+    xs = [x for x, _ in points]
+    if xs[0] <= 0 or any(b <= a for a, b in zip(xs, xs[1:])):
+        raise _error(label, key, value, "x values must be > 0 and strictly increasing")
+    for _, y in points:
+        reason = meta["check"](y)
+        if reason:
+            raise _error(label, key, value, f"y value {y}: {reason}")
+    return points
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return dict(obj)
+    return obj

@@ -1,0 +1,75 @@
+"""One results schema for both backends: per-step records and the run summary.
+
+Units: seconds (``*_s``), bytes (``*_bytes`` and ``bytes_by_*``). ``bytes_by_stage`` and
+``bytes_by_level`` count the wire bytes of every collective (``testbed.collectives``)
+and every host<->device page copy, summed over all ranks. ``dropped_token_fraction`` is
+the fraction of routed (token, expert) slots dropped by capacity (M2).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from testbed.stages import STAGES
+from testbed.topology import LEVELS
+
+
+@dataclass
+class StepRecord:
+    """What one training step did (all ranks together)."""
+
+    step: int
+    step_time_s: float
+    stage_time_s: dict[str, float]  # mean over ranks of the time each rank spent in the stage
+    bytes_by_stage: dict[str, int]
+    bytes_by_level: dict[str, int]
+    peak_memory_bytes: int  # largest over ranks
+    routed_slots: int
+    dropped_slots: int
+    page_moves: int  # rows of page moves that carried bytes or freed a slot
+    page_bytes: int  # bytes of page copies host<->device
+    page_stall_s: float  # mean over ranks of compute time spent waiting for pages
+    cache_hits: int
+    cache_lookups: int
+    loss: float | None = None
+    aux_loss: float | None = None
+    expert_states: dict[str, int] | None = None  # hot / warm / cold counts after a heat update
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepRecord":
+        return cls(**data)
+
+
+def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
+    """The run summary: medians of times and means of bytes over the measured steps.
+
+    ``fields`` (backend, run_dir, ...) are copied in first. Steps before
+    ``warmup_steps`` are left out, except for the memory peak (the peak of the run).
+    """
+    measured = [r for r in records if r.step >= warmup_steps] or records
+    n = len(measured)
+    routed = sum(r.routed_slots for r in measured)
+    lookups = sum(r.cache_lookups for r in measured)
+    losses = [r.loss for r in records if r.loss is not None]
+    out = dict(fields)
+    out.update({
+        "steps": len(records),
+        "measured_steps": n,
+        "step_time_s": statistics.median(r.step_time_s for r in measured) if n else None,
+        "stage_time_s": {s: statistics.median(r.stage_time_s.get(s, 0.0) for r in measured) for s in STAGES} if n else {},
+        "bytes_by_stage": {s: sum(r.bytes_by_stage.get(s, 0) for r in measured) / n for s in STAGES} if n else {},
+        "bytes_by_level": {lv: sum(r.bytes_by_level.get(lv, 0) for r in measured) / n for lv in LEVELS} if n else {},
+        "peak_memory_bytes": max((r.peak_memory_bytes for r in records), default=0),
+        "dropped_token_fraction": (sum(r.dropped_slots for r in measured) / routed) if routed else 0.0,
+        "page_moves_per_step": sum(r.page_moves for r in measured) / n if n else 0.0,
+        "page_stall_s": statistics.median(r.page_stall_s for r in measured) if n else 0.0,
+        "group_cache_hit_rate": (sum(r.cache_hits for r in measured) / lookups) if lookups else None,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+    })
+    return out

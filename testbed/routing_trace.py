@@ -1,0 +1,71 @@
+"""The routing trace: token slots routed per step x layer x rank x expert.
+
+Both backends write it into their run folder (``routing.npz``); the simulator replays a
+trace given as ``workload.trace = RUN_DIR``, so a real run's routing can be timed by the
+simulator. Counts are *routed* (before capacity); each backend applies the scenario's
+capacity (M2) to them, so a replay may also change the capacity factor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from testbed.errors import ScenarioError
+from testbed.scenario import Scenario
+
+FILE = "routing.npz"
+
+
+@dataclass
+class RoutingTrace:
+    """routed[s, l, w, e]: slots rank w routed to expert e in layer l at step s (int32)."""
+
+    routed: np.ndarray
+    tokens_per_rank: int
+    top_k: int
+
+    @property
+    def steps(self) -> int:
+        return self.routed.shape[0]
+
+    def save(self, run_dir: str | Path) -> Path:
+        path = Path(run_dir) / FILE
+        meta = {"tokens_per_rank": self.tokens_per_rank, "top_k": self.top_k,
+                "shape": ["steps", "layers", "ranks", "experts"]}
+        with open(path, "wb") as f:  # an open file: np.savez would append ".npz" to a str path
+            np.savez_compressed(f, routed=self.routed.astype(np.int32), meta=json.dumps(meta))
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "RoutingTrace":
+        """Read ``RUN_DIR/routing.npz``; a missing or unreadable file is a ScenarioError."""
+        path = Path(run_dir) / FILE
+        if not path.is_file():
+            raise ScenarioError("workload.trace", str(run_dir), f"no routing trace {FILE} in that folder")
+        try:
+            with np.load(path) as data:
+                meta = json.loads(str(data["meta"]))
+                routed = data["routed"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ScenarioError("workload.trace", str(run_dir), f"unreadable routing trace: {e}") from None
+        return cls(routed=routed, tokens_per_rank=meta["tokens_per_rank"], top_k=meta["top_k"])
+
+    def check_fits(self, scenario: Scenario, where: str) -> None:
+        """Raise ScenarioError unless the trace covers the scenario's steps, layers, ranks, experts."""
+        s, l, w, e = self.routed.shape
+        m = scenario.model
+        want = {"run.steps": (scenario.run.steps, s, "steps"),
+                "model.num_layers": (m.num_layers, l, "layers"),
+                "cluster (GPUs)": (scenario.world_size, w, "ranks"),
+                "model.num_experts": (m.num_experts, e, "experts"),
+                "workload.tokens_per_rank": (scenario.workload.tokens_per_rank, self.tokens_per_rank, "tokens per rank"),
+                "model.top_k": (m.top_k, self.top_k, "top-k")}
+        for fld, (asked, has, what) in want.items():
+            too_few = asked > has if fld == "run.steps" else asked != has
+            if too_few:
+                raise ScenarioError("workload.trace", where,
+                                    f"the trace has {has} {what} but {fld} = {asked}")

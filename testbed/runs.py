@@ -1,0 +1,89 @@
+"""Run folders: ``<output_dir>/<backend>-<scenario hash>/`` and an index of runs.
+
+A run folder holds ``scenario.toml`` (the resolved scenario), ``steps.jsonl`` (one
+StepRecord per line, written as each step completes, so a stopped run keeps its steps),
+``summary.json`` (``"complete": false`` when the run was stopped), ``trace.json``
+(Chrome / Perfetto trace) and ``routing.npz`` (the routing trace). Every finished run
+appends one line to ``<output_dir>/index.jsonl``; sweeps use ``find_complete`` to skip
+runs they already have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+import tomllib
+from pathlib import Path
+
+import tomli_w
+
+from testbed.results import StepRecord
+from testbed.routing_trace import RoutingTrace
+from testbed.scenario import Scenario
+
+INDEX = "index.jsonl"
+
+
+def scenario_hash(scenario: Scenario) -> str:
+    """12 hex digits identifying what a run computes (output folder left out)."""
+    data = scenario.to_dict()
+    data["run"] = {k: v for k, v in data["run"].items() if k != "output_dir"}
+    blob = json.dumps(data, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def run_dir_for(scenario: Scenario, backend: str) -> Path:
+    return Path(scenario.run.output_dir) / f"{backend}-{scenario_hash(scenario)}"
+
+
+def find_complete(scenario: Scenario, backend: str) -> Path | None:
+    """The folder of a finished run of this scenario on this backend, if there is one."""
+    d = run_dir_for(scenario, backend)
+    try:
+        return d if json.loads((d / "summary.json").read_text()).get("complete") else None
+    except (OSError, ValueError):
+        return None
+
+
+class RunWriter:
+    """Writes one run folder while the run goes on."""
+
+    def __init__(self, scenario: Scenario, backend: str):
+        self.scenario = scenario
+        self.backend = backend
+        self.dir = run_dir_for(scenario, backend)
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        (self.dir / "scenario.toml").write_text(tomli_w.dumps(scenario.to_dict()))
+        self._steps = open(self.dir / "steps.jsonl", "w")
+        self.started = time.time()
+
+    def write_step(self, record: StepRecord) -> None:
+        self._steps.write(json.dumps(record.to_dict()) + "\n")
+        self._steps.flush()
+
+    def finish(self, summary: dict, trace_events: list[dict], routing: RoutingTrace | None,
+               complete: bool = True) -> None:
+        self._steps.close()
+        summary = dict(summary, complete=complete)
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.dir / "trace.json").write_text(json.dumps({"traceEvents": trace_events, "displayTimeUnit": "ms"}))
+        if routing is not None:
+            routing.save(self.dir)
+        if complete:
+            line = {"run_dir": str(self.dir), "backend": self.backend, "time": time.time(),
+                    "step_time_s": summary.get("step_time_s")}
+            with open(self.dir.parent / INDEX, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+def load_run(run_dir: str | Path) -> tuple[dict, dict, list[StepRecord]]:
+    """(scenario mapping, summary, step records) of a run folder."""
+    d = Path(run_dir)
+    scenario = tomllib.loads((d / "scenario.toml").read_text())
+    summary = json.loads((d / "summary.json").read_text())
+    steps = [StepRecord.from_dict(json.loads(line)) for line in (d / "steps.jsonl").read_text().splitlines() if line]
+    return scenario, summary, steps

@@ -1,0 +1,362 @@
+"""The scenario: everything one run needs, as one TOML file with a default for every field.
+
+A scenario has the sections below. Each field carries a one-line doc (``doc(...)``) that
+``testbed fields`` prints; validation of a single field sits next to it (``check=``),
+validation across fields in ``Scenario.validate``. Every error is a ``ScenarioError``
+naming the dotted field and the value.
+
+Sizes of the cluster: ``gpus = gpus_per_node * nodes_per_microcluster * microclusters``;
+``parallelism.ep_size`` GPUs form one expert-parallel (EP) group, and the
+``gpus // ep_size`` EP groups each hold a replica of every expert (M8-M9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from testbed.errors import ScenarioError
+from testbed.topology import Layout
+from testbed.units import parse_bytes
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical")
+EXPERT_SYNC_STRATEGIES = ("allreduce", "two_stage")
+PLACEMENTS = ("topology", "strided", "random")
+
+
+def doc(text: str, default: Any, *, check: Callable[[Any], str | None] | None = None,
+        kind: type | tuple = (), choices: tuple = (), size: bool = False):
+    """A scenario field: its default, one-line doc, type, allowed choices and a check.
+
+    ``check(value)`` returns None when the value is fine, else the reason it is not.
+    ``size=True`` accepts byte sizes written as strings ("16MiB").
+    """
+    meta = {"doc": text, "check": check, "kind": kind or type(default),
+            "choices": choices, "size": size}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def fraction(v):
+    return None if 0 <= v <= 1 else "must be between 0 and 1"
+
+
+def percentile(v):
+    return None if 0 <= v <= 100 else "must be between 0 and 100"
+
+
+@dataclass
+class ModelConfig:
+    """The MoE layer stack (only the MoE layers are modelled)."""
+
+    hidden_size: int = doc("H: model (hidden) dimension", 64, check=positive)
+    ffn_hidden_size: int = doc("F: each expert's FFN inner dimension (two matrices H x F, F x H)", 128, check=positive)
+    num_layers: int = doc("MoE layers in the stack", 2, check=positive)
+    num_experts: int = doc("E: experts per MoE layer", 8, check=positive)
+    top_k: int = doc("experts each token is routed to", 2, check=positive)
+    dtype: str = doc("dtype of weights, activations and payloads", "fp32", choices=tuple(DTYPE_BYTES))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert: w1 (H x F) and w2 (F x H), no biases."""
+        return 2 * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.dtype_bytes
+
+
+@dataclass
+class ClusterConfig:
+    """The machines (M21): GPUs per node on NVLink, nodes per leaf, leaves under a spine."""
+
+    gpus_per_node: int = doc("GPUs (or CPU ranks) per node, joined by NVLink", 2, check=positive)
+    nodes_per_microcluster: int = doc("nodes per micro-cluster (one InfiniBand leaf)", 2, check=positive)
+    microclusters: int = doc("micro-clusters joined by the InfiniBand spine", 2, check=positive)
+    profile: str = doc("machine profile: a built-in name (local-cpu, a100-seed, h200) or a TOML path", "local-cpu")
+    leaf_spine_oversubscription: float = doc("leaf downlink / uplink bandwidth ratio (1 = non-blocking)", 1.0, check=positive)
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes_per_microcluster * self.microclusters
+
+    @property
+    def gpus_per_microcluster(self) -> int:
+        return self.gpus_per_node * self.nodes_per_microcluster
+
+
+@dataclass
+class ParallelismConfig:
+    """Expert parallelism x expert replication = GPUs (M8, M11)."""
+
+    ep_size: int = doc("GPUs per expert-parallel group; experts are sharded over it, tokens travel inside it", 4, check=positive)
+    placement: str = doc("EP group -> rank mapping: topology (contiguous, M11), strided (ignores topology), random", "topology", choices=PLACEMENTS)
+    placement_seed: int = doc("seed of the random placement", 0)
+
+
+@dataclass
+class RouterConfig:
+    """The token router (M1-M3)."""
+
+    noise: str = doc("training noise on gate logits: gumbel or none", "gumbel", choices=("gumbel", "none"))
+    temperature_start: float = doc("softmax temperature at step 0 (M1 schedule)", 1.2, check=positive)
+    temperature_end: float = doc("softmax temperature after temperature_steps", 0.8, check=positive)
+    temperature_steps: int = doc("steps of the linear temperature schedule", 1000, check=positive)
+    capacity_factor: float = doc("M2 capacity factor; 0 = dropless", 1.25, check=non_negative)
+    pad_capacity_to_ep: bool = doc("round capacity up to a multiple of the EP size", False)
+    drop_policy: str = doc("which tokens over capacity are dropped: probs (lowest probability) or position (latest)", "probs", choices=("probs", "position"))
+    aux_loss_coef: float = doc("alpha of the Switch aux load-balancing loss (M3)", 0.01, check=non_negative)
+    weight_std: float = doc("std of the gate weight initialisation", 0.02, check=non_negative)
+    bias_std: float = doc("std of the gate bias initialisation (M1: 0.01)", 0.01, check=non_negative)
+
+
+@dataclass
+class PagerConfig:
+    """Expert weights in fixed-size pages between GPU and host memory (M12-M16)."""
+
+    enabled: bool = doc("page expert weights (false: all expert weights stay on the GPU)", True)
+    page_size_bytes: int = doc("page size in bytes or with a unit (seed default 16MiB)", 16 * 2**20, check=positive, size=True)
+    gpu_budget_bytes: int = doc("GPU bytes for expert pages per GPU; 0 = room for all local experts", 0, check=non_negative, size=True)
+    emergency_free_fraction: float = doc("M15: evict when free budget falls below this fraction", 0.05, check=fraction)
+    cold_percentile: float = doc("M13: an expert below this heat percentile ...", 10.0, check=percentile)
+    cold_consecutive_updates: int = doc("M13: ... for this many consecutive heat updates moves to host", 5, check=positive)
+    prefetch_pages: int = doc("M14: pages prefetched when a cold expert is activated again", 3, check=non_negative)
+
+
+@dataclass
+class HeatConfig:
+    """The expert heat map and states (M18-M20)."""
+
+    alpha: float = doc("weight of compute heat", 0.5, check=non_negative)
+    beta: float = doc("weight of memory heat (page accesses)", 0.3, check=non_negative)
+    gamma: float = doc("weight of communication heat (bytes in expert sync)", 0.2, check=non_negative)
+    window_steps: int = doc("sliding window of the heat map, in steps", 100, check=positive)
+    update_interval: int = doc("steps between heat updates", 10, check=positive)
+    hot_percentile: float = doc("above this percentile an expert is Hot", 90.0, check=percentile)
+    cold_percentile: float = doc("below this percentile an expert is Cold (frozen)", 30.0, check=percentile)
+    wake_fraction: float = doc("M20: fraction of frozen experts probed when the cold level rises", 0.05, check=fraction)
+    compute_source: str = doc("compute heat from routed tokens (identical on both backends) or measured kernel time", "tokens", choices=("tokens", "measured"))
+
+
+@dataclass
+class CommConfig:
+    """How tokens travel and how replicated experts are synchronised (M5, M7-M10)."""
+
+    token_strategy: str = doc("token exchange: alltoall, allgather, hierarchical", "alltoall", choices=TOKEN_STRATEGIES)
+    expert_sync: str = doc("replicated expert gradient sync: allreduce or two_stage (M9)", "allreduce", choices=EXPERT_SYNC_STRATEGIES)
+    group_cache_size: int = doc("M10: active groups (communicators) kept in the LRU cache", 100, check=positive)
+    sync_batch_experts: int = doc("M9: experts per all-gather batch, on concurrent streams", 4, check=positive)
+
+
+@dataclass
+class WorkloadConfig:
+    """Where routing comes from: a synthetic skewed workload (M4) or a recorded trace."""
+
+    tokens_per_rank: int = doc("tokens each rank routes per step per layer", 256, check=positive)
+    skew: float = doc("Zipf exponent of global expert popularity (0 = uniform)", 1.0, check=non_negative)
+    drift: float = doc("per-step drift of popularity (0 = static)", 0.02, check=non_negative)
+    locality: float = doc("weight of each rank's own preference against the global one", 0.5, check=fraction)
+    seed: int = doc("seed of the workload", 0)
+    trace: str = doc("run folder whose routing trace is replayed (sim backend); empty = synthetic", "")
+
+
+@dataclass
+class RunConfig:
+    """Steps, seeds and where results go."""
+
+    steps: int = doc("training steps to run, warm-up included", 6, check=positive)
+    warmup_steps: int = doc("first steps left out of the summary", 1, check=non_negative)
+    seed: int = doc("seed of model initialisation and router noise", 0)
+    learning_rate: float = doc("SGD learning rate", 0.05, check=non_negative)
+    output_dir: str = doc("folder that holds run folders", "runs")
+
+
+@dataclass
+class SimConfig:
+    """Options of the simulator backend."""
+
+    network_model: str = doc("flow (max-min fair), analytic (bottleneck link), or auto", "auto", choices=("auto", "flow", "analytic"))
+    flow_max_gpus: int = doc("auto picks the flow model up to this many GPUs", 64, check=positive)
+
+
+@dataclass
+class RealConfig:
+    """Options of the PyTorch backend."""
+
+    device: str = doc("cpu (gloo), cuda (NCCL, one rank per GPU) or auto", "auto", choices=("auto", "cpu", "cuda"))
+    timeout_s: float = doc("a collective that waits longer than this fails the run", 60.0, check=positive)
+    check_weights: bool = doc("keep an unpaged copy of expert weights and check pages against it every step", False)
+
+
+SECTIONS = {
+    "model": ModelConfig, "cluster": ClusterConfig, "parallelism": ParallelismConfig,
+    "router": RouterConfig, "pager": PagerConfig, "heat": HeatConfig, "comm": CommConfig,
+    "workload": WorkloadConfig, "run": RunConfig, "sim": SimConfig, "real": RealConfig,
+}
+
+
+@dataclass
+class Scenario:
+    """A whole run description. Build with ``Scenario.from_dict`` / ``load_scenario``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    pager: PagerConfig = field(default_factory=PagerConfig)
+    heat: HeatConfig = field(default_factory=HeatConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    real: RealConfig = field(default_factory=RealConfig)
+    notes: str = ""
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.cluster.gpus
+
+    @property
+    def replicas(self) -> int:
+        """EP groups = replicas of every expert."""
+        return self.cluster.gpus // self.parallelism.ep_size
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.model.num_experts // self.parallelism.ep_size
+
+    # ---- building --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "Scenario":
+        """Build and validate a scenario from a parsed TOML mapping."""
+        if not isinstance(data, dict):
+            raise ScenarioError("scenario", data, "expected a table of sections")
+        sections = {}
+        for name, value in data.items():
+            if name == "notes":
+                if not isinstance(value, str):
+                    raise ScenarioError("notes", value, "expected a string")
+                continue
+            if name not in SECTIONS:
+                raise ScenarioError(name, value, _unknown(name, list(SECTIONS) + ["notes"], "section"))
+            if not isinstance(value, dict):
+                raise ScenarioError(name, value, "expected a table [" + name + "]")
+            sections[name] = _build_section(name, SECTIONS[name], value)
+        scenario = cls(**sections, notes=data.get("notes", ""))
+        scenario.validate()
+        return scenario
+
+    def to_dict(self) -> dict:
+        """Plain mapping of every field (the resolved scenario written into a run)."""
+        out = dataclasses.asdict(self)
+        if not out["notes"]:
+            del out["notes"]
+        return out
+
+    def replace(self, **changes: dict) -> "Scenario":
+        """A copy with some fields changed: ``s.replace(comm={"token_strategy": "allgather"})``."""
+        data = self.to_dict()
+        for section, fields in changes.items():
+            data.setdefault(section, {}).update(fields)
+        return Scenario.from_dict(data)
+
+    # ---- checks across fields --------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ScenarioError`` for the first field whose value cannot be run."""
+        m, c, p = self.model, self.cluster, self.parallelism
+        if m.top_k > m.num_experts:
+            raise ScenarioError("model.top_k", m.top_k, f"exceeds model.num_experts = {m.num_experts}")
+        if c.gpus % p.ep_size:
+            raise ScenarioError("parallelism.ep_size", p.ep_size, f"does not divide the {c.gpus} GPUs of the cluster")
+        if m.num_experts % p.ep_size:
+            raise ScenarioError("parallelism.ep_size", p.ep_size, f"does not divide model.num_experts = {m.num_experts}")
+        if self.run.warmup_steps >= self.run.steps:
+            raise ScenarioError("run.warmup_steps", self.run.warmup_steps, f"leaves no measured step of run.steps = {self.run.steps}")
+        h = self.heat
+        if h.alpha + h.beta + h.gamma <= 0:
+            raise ScenarioError("heat.alpha", h.alpha, "heat weights alpha, beta, gamma are all zero")
+        if h.cold_percentile >= h.hot_percentile:
+            raise ScenarioError("heat.cold_percentile", h.cold_percentile, f"must be below heat.hot_percentile = {h.hot_percentile}")
+        if self.pager.page_size_bytes % m.dtype_bytes:
+            raise ScenarioError("pager.page_size_bytes", self.pager.page_size_bytes, f"is not a whole number of {m.dtype} elements")
+        if 0 < self.pager.gpu_budget_bytes < self.pager.page_size_bytes:
+            raise ScenarioError("pager.gpu_budget_bytes", self.pager.gpu_budget_bytes, "holds less than one page")
+        if self.comm.token_strategy == "hierarchical":
+            Layout(self).check_hierarchical()
+
+
+def _unknown(name: str, known: list[str], what: str) -> str:
+    import difflib
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(known)})"
+    return f"unknown {what}{hint}"
+
+
+def _build_section(section: str, cls: type, values: dict):
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        path = f"{section}.{key}"
+        if key not in known:
+            raise ScenarioError(path, value, _unknown(key, list(known), "key"))
+        kwargs[key] = _coerce(path, known[key].metadata, value)
+    return cls(**kwargs)
+
+
+def _coerce(path: str, meta: dict, value: Any) -> Any:
+    kind = meta["kind"]
+    if meta["size"]:
+        try:
+            value = parse_bytes(value)
+        except ValueError as e:
+            raise ScenarioError(path, value, str(e)) from None
+    elif kind is bool:
+        if not isinstance(value, bool):
+            raise ScenarioError(path, value, "expected true or false")
+    elif kind is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ScenarioError(path, value, "expected an integer")
+        value = int(value)
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ScenarioError(path, value, "expected a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ScenarioError(path, value, "expected a finite number")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise ScenarioError(path, value, "expected a string")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ScenarioError(path, value, "expected one of " + ", ".join(meta["choices"]))
+    if meta["check"] is not None:
+        reason = meta["check"](value)
+        if reason:
+            raise ScenarioError(path, value, reason)
+    return value
+
+
+def field_docs() -> list[tuple[str, Any, str]]:
+    """(dotted name, default, doc) for every scenario field, in file order."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{section}.{f.name}", default, f.metadata["doc"]))
+    return rows
