@@ -1,0 +1,31 @@
+"""Shared fixtures: the repository root and small scenarios."""
+
+from pathlib import Path
+
+import pytest
+
+from testbed.scenario import Scenario
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A 4-rank scenario (2 per node, 2 nodes, EP 2 x 2 replicas) writing into tmp_path."""
+    def make(**sections) -> Scenario:
+        data = {
+            "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 2, "microclusters": 1},
+            "parallelism": {"ep_size": 2},
+            "pager": {"page_size_bytes": 16384, "gpu_budget_bytes": 65536},
+            "heat": {"window_steps": 4, "update_interval": 2},
+            "run": {"steps": 3, "warmup_steps": 1, "output_dir": str(tmp_path / "runs")},
+        }
+        for name, fields in sections.items():
+            data.setdefault(name, {}).update(fields)
+        return Scenario.from_dict(data)
+    return make

@@ -1,0 +1,111 @@
+"""The controller: replica freshness under two-stage sync (M9), refreshes, the group
+cache, page moves per rank, and determinism."""
+
+import numpy as np
+
+from testbed.controller import Controller, page_move_count
+from testbed.pager import REASONS
+from testbed.scenario import Scenario
+from testbed.workload import SyntheticWorkload
+
+
+def scen(**comm):
+    # 8 GPUs, EP 4, 2 replicas (groups {0..3} and {4..7}), 8 experts, 2 layers
+    return Scenario.from_dict({"comm": comm, "pager": {"page_size_bytes": 16384, "gpu_budget_bytes": 131072},
+                               "heat": {"update_interval": 2, "window_steps": 4}})
+
+
+def routed_only_group0_uses_expert0(s):
+    routed = np.full((s.world_size, s.model.num_experts), 10)
+    routed[4:, 0] = 0  # EP group 1 never routes to expert 0
+    return routed
+
+
+def run_step(c, step, routed):
+    """One step's decisions; ``routed`` is [W, E] (every layer) or [L, W, E]."""
+    c.begin_step(step)
+    per_layer = routed if routed.ndim == 3 else [routed] * c.L
+    fwd = [c.forward_layer(l, per_layer[l]) for l in range(c.L)]
+    bwd = [c.backward_layer(l) for l in reversed(range(c.L))]
+    sync = c.sync()
+    end = c.end_step()
+    return fwd, bwd, sync, end
+
+
+def test_two_stage_leaves_unused_replicas_stale_and_refreshes_them_when_needed():
+    s = scen(expert_sync="two_stage")
+    c = Controller(s)
+    fwd, _, sync, _ = run_step(c, 0, routed_only_group0_uses_expert0(s))
+    assert fwd[0].refresh_ops == []
+    # expert 0 of layer 0: A_0 = {rank 0} only -> no collective, replica in group 1 (rank 4) stale
+    assert not any(op.label == "expert 0" and op.layer == 0 for op in sync.expert_sync_ops)
+    assert c.fresh[0].tolist() == [True, False]
+    assert 0 in sync.updated[0] and 0 not in sync.updated[4]
+    moves = sync.page_moves[4]
+    stale = moves.expert[moves.reason == REASONS.index("stale")]
+    assert set(stale.tolist()) == {0, 8}  # both layers' expert 0 on rank 4
+    # next step group 1 routes to expert 0: rank 4 gets it from rank 0 first
+    fwd, _, sync, _ = run_step(c, 1, np.full((8, 8), 10))
+    refresh = fwd[0].refresh_ops
+    assert [(op.kind, op.members, op.size) for op in refresh] == [("p2p", (0, 4), s.model.expert_bytes)]
+    assert (fwd[0].page_moves[4].reason == REASONS.index("refresh")).sum() == c.pages_per_expert
+    assert c.fresh.all()
+
+
+def test_allreduce_keeps_every_replica_fresh():
+    s = scen(expert_sync="allreduce")
+    c = Controller(s)
+    _, _, sync, _ = run_step(c, 0, routed_only_group0_uses_expert0(s))
+    assert c.fresh.all() and sync.cache is None
+    assert 0 in sync.updated[4]  # the global gradient is non-zero: every replica updates
+    fwd, _, _, _ = run_step(c, 1, np.full((8, 8), 10))
+    assert fwd[0].refresh_ops == []
+
+
+def test_group_cache_hits_after_the_first_step():
+    s = scen(expert_sync="two_stage")
+    c = Controller(s)
+    routed = np.full((8, 8), 10)
+    _, _, first, _ = run_step(c, 0, routed)
+    _, _, second, _ = run_step(c, 1, routed)
+    assert first.cache.misses == 4 and first.cache.hits == 2 * 8 - 4  # 4 distinct groups (j, 4+j)
+    assert second.cache.misses == 0 and second.cache.hits == 16
+
+
+def test_capacity_and_drops():
+    s = scen().replace(router={"capacity_factor": 1.0}, workload={"tokens_per_rank": 40})
+    c = Controller(s)
+    c.begin_step(0)
+    routed = np.zeros((8, 8), dtype=int)
+    routed[:, 0] = 30  # capacity = ceil(40*2/8) = 10
+    routed[:, 1] = 50
+    out = c.forward_layer(0, routed)
+    assert (out.kept[:, 0] == 10).all() and out.dropped_slots == 8 * (20 + 40)
+
+
+def test_a_rank_local_controller_takes_the_same_decisions_as_the_global_one():
+    s = scen(expert_sync="two_stage")
+    wl = SyntheticWorkload(s)
+    full, mine = Controller(s), Controller(s, paged_ranks=[5])
+    for step in range(5):
+        routed = wl.routed_counts(step)
+        a, b = run_step(full, step, routed), run_step(mine, step, routed)
+        for fa, fb in zip(a[0], b[0]):
+            assert [o.members for o in fa.refresh_ops] == [o.members for o in fb.refresh_ops]
+            for name in ("page", "expert", "slot", "src", "dst", "nbytes", "reason"):
+                assert np.array_equal(getattr(fa.page_moves[5], name), getattr(fb.page_moves[5], name))
+        assert np.array_equal(a[2].updated[5], b[2].updated[5])
+        assert a[2].cache.hits == b[2].cache.hits
+
+
+def test_heat_updates_when_due_and_moves_are_counted():
+    s = scen(expert_sync="two_stage")
+    c = Controller(s)
+    routed = routed_only_group0_uses_expert0(s)
+    _, _, _, end0 = run_step(c, 0, routed)
+    _, _, _, end1 = run_step(c, 1, routed)
+    assert end0.heat is None and end1.heat is not None
+    assert end1.heat.scores.shape == (2 * 8,)
+    fwd, bwd, sync, _ = run_step(c, 2, routed)
+    total = sum(page_move_count(m) for f in fwd for m in f.page_moves.values())
+    assert total > 0  # budget of 8 pages < 16 pages of a rank's experts: loads every layer
