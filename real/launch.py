@@ -14,6 +14,7 @@ import os
 import pickle
 import queue as queue_mod
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from testbed.results import StepRecord
 from testbed.scenario import Scenario
 
 POLL_S = 0.2
+REPORTED_EXIT = 3  # a rank that raised and sent its error exits with this code
 
 
 def pick_device(scenario: Scenario) -> str:
@@ -65,7 +67,7 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: 
         q.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         q.close()
         q.join_thread()
-        os._exit(1)
+        os._exit(REPORTED_EXIT)
 
 
 def run_ranks(scenario: Scenario, on_step, debug: dict | None = None) -> dict:
@@ -93,6 +95,18 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None) -> dict:
                 p.join(timeout=10)
 
 
+def _silent_death(procs, done, wait_s: float) -> int | None:
+    """A rank that exited abnormally without reporting an error, if one does within wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for r, p in enumerate(procs):
+            if r not in done and p.exitcode not in (None, 0, REPORTED_EXIT):
+                return r
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def _collect(procs, q, on_step) -> dict:
     world = len(procs)
     done: dict[int, dict] = {}
@@ -112,6 +126,11 @@ def _collect(procs, q, on_step) -> dict:
         if kind == "step":
             on_step(StepRecord.from_dict(msg[2]))
         elif kind == "error":
+            # a peer's death surfaces on the survivors as connection errors: name the cause
+            cause = _silent_death(procs, done, wait_s=2.0)
+            if cause is not None and cause != rank:
+                raise RunError(f"rank {cause} died (exit code {procs[cause].exitcode}); "
+                               f"the other ranks were stopped (rank {rank} saw: {msg[2][:200]})")
             raise RunError(f"rank {rank} failed: {msg[2]}")
         else:
             done[rank] = pickle.loads(msg[2])
