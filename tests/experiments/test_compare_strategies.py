@@ -40,8 +40,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_sim_sweep_writes_six_runs_and_a_report(tmp_path, capsys):
-    # TODO(lead): drop the importorskip once sim.backend lands
-    pytest.importorskip("sim.backend")
     out = tmp_path / "r.html"
     args = ["--backends", "sim", "--set", "run.steps=2", "--set", "run.warmup_steps=0",
             "--set", f"run.output_dir={tmp_path / 'runs'}", "--output", str(out), "--json"]

@@ -1,0 +1,1 @@
+"""The simulator backend: a discrete-event model of a GPU cluster (simpy + networkx)."""

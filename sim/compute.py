@@ -1,0 +1,91 @@
+"""Compute and copy times from the machine profile's roofline (M22).
+
+Expert FFN (two matrices H x F and F x H, M6): ``4 * tokens * H * F`` FLOPs forward per
+expert, twice that backward (input and weight gradients). Time is the larger of the
+compute time ``flops / (peak * efficiency(tokens per expert))`` and the memory time of
+reading the expert's weights (forward) or reading weights and writing their gradients
+(backward) at ``memory_GBps`` — the memory bound is what limits experts with few tokens,
+below the profile's measured efficiency points. Kernels are launched asynchronously, so
+launch cost is a floor, not an addition: a kernel shorter than ``launch_us`` takes
+``launch_us`` (the measured efficiencies already include launches of longer kernels;
+adding them would count them twice).
+
+- ``loop``: one GEMM per matrix per expert with tokens (2 forward, 4 backward each);
+  experts with no tokens are skipped; each expert takes max(compute, memory, launches);
+- ``grouped``: one grouped GEMM per matrix for all experts, at the efficiency of the
+  mean tokens per expert over all experts passed; max(compute, memory, launches).
+
+All times in seconds; sizes in bytes; no randomness.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from testbed.profile import MachineProfile
+from testbed.scenario import DTYPE_BYTES
+
+GEMMS_FORWARD = 2  # x @ w1, h @ w2
+GEMMS_BACKWARD = 4  # input and weight gradient of each matrix
+
+
+class ComputeModel:
+    """Roofline times of one GPU (or CPU rank) of ``profile`` in ``dtype``."""
+
+    def __init__(self, profile: MachineProfile, dtype: str):
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
+        self.profile = profile
+        self.dtype = dtype
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.peak = profile.compute.peak(dtype)  # FLOP/s
+        self.memory_bw = profile.compute.memory_GBps * 1e9  # bytes/s
+        self.launch = profile.compute.launch_us * 1e-6  # s
+
+    def expert_time(self, tokens_per_expert, hidden: int, ffn: int, kernel: str = "grouped",
+                    backward: bool = False) -> float:
+        """Seconds to run the experts of one rank on ``tokens_per_expert`` (one count each)."""
+        t = np.asarray(tokens_per_expert, dtype=np.float64).ravel()
+        if t.sum() <= 0:
+            return 0.0
+        mult = 2 if backward else 1
+        gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
+        flops = 4.0 * t * hidden * ffn * mult  # per expert
+        weight_bytes = 2.0 * hidden * ffn * self.dtype_bytes * mult  # per active expert
+        eff = self.profile.compute.efficiency_at
+        if kernel == "loop":
+            active = t > 0
+            compute = flops[active] / (self.peak * eff("loop", t[active]))
+            per_expert = np.maximum(compute, max(weight_bytes / self.memory_bw, gemms * self.launch))
+            return float(per_expert.sum())
+        if kernel == "grouped":
+            compute = flops.sum() / (self.peak * eff("grouped", t.mean()))
+            memory = weight_bytes * np.count_nonzero(t) / self.memory_bw
+            return float(max(compute, memory, gemms * self.launch))
+        raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+
+    def router_time(self, tokens: int, hidden: int, experts: int) -> float:
+        """Gate GEMM (tokens x H times H x E at the grouped efficiency of ``tokens``, reading
+        the activations, or one launch, whichever is slowest) plus the profile's fixed
+        router cost."""
+        if tokens <= 0:
+            return 0.0
+        flops = 2.0 * tokens * hidden * experts
+        compute = flops / (self.peak * self.profile.compute.efficiency_at("grouped", tokens))
+        memory = tokens * hidden * self.dtype_bytes / self.memory_bw
+        return max(compute, memory, self.launch) + self.profile.overheads.router_us * 1e-6
+
+    def optimizer_time(self, param_bytes: float) -> float:
+        """SGD step on ``param_bytes`` of weights: read weights and gradients, write
+        weights (3x the bytes) at memory bandwidth; at least one launch."""
+        if param_bytes <= 0:
+            return 0.0
+        return max(3.0 * param_bytes / self.memory_bw, self.launch)
+
+    def copy_time(self, page_bytes):
+        """Seconds to copy one page host <-> device: latency + bytes / table bandwidth."""
+        return self.profile.copy.time(page_bytes)
+
+    def heat_update_time(self, experts: int) -> float:
+        """One heat-map update over ``experts`` experts (M18)."""
+        return experts * self.profile.overheads.heat_update_us_per_expert * 1e-6

@@ -1,0 +1,132 @@
+"""Machine profiles: built-ins, lookup order, validation naming the key, round trip."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomli_w
+
+from testbed.errors import ScenarioError
+from testbed.profile import (BUILTINS, MiB, field_docs, find_profile, load_profile,
+                             profile_from_dict, save_profile)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_builtins_load_and_document_their_source(name):
+    p = load_profile(name)
+    assert p.name == name
+    assert len(p.source) > 100 and p.description and p.machine
+
+
+def test_h200_is_seeded_from_the_ceilings():
+    p = load_profile("h200")
+    assert p.compute.peak_tflops.bf16 == pytest.approx(771.18)
+    # grouped_E64_T512: 595.23 TFLOP/s at 512 tokens per expert; loop_E8_T4096: 686.97
+    assert p.compute.efficiency_at("grouped", 512) * 771.18 == pytest.approx(595.23, rel=1e-3)
+    assert p.compute.efficiency_at("loop", 4096) * 771.18 == pytest.approx(686.97, rel=1e-3)
+    assert p.links.nvlink.bandwidth_GBps == 370 and p.links.nic.bandwidth_GBps == 48
+    assert p.copy.overlap == 0.864
+    assert p.copy.GBps(16 * MiB) == pytest.approx(54.71)
+    # the fitted copy latency reproduces the measured single-page copies
+    assert p.copy.time(16 * MiB) == pytest.approx(326.3e-6, rel=0.05)
+    assert p.copy.time(1 * MiB) == pytest.approx(29.0e-6, rel=0.05)
+
+
+def test_a100_seed_and_local_cpu_figures():
+    a = load_profile("a100-seed")
+    assert (a.links.nvlink.bandwidth_GBps, a.links.nic.bandwidth_GBps, a.compute.peak_tflops.bf16) == (240, 23, 312)
+    assert "ssumption" in a.source
+    c = load_profile("local-cpu")
+    assert c.collectives.algorithm.reduce_scatter == "all_reduce"
+    assert c.compute.peak("fp32") == pytest.approx(50e9)
+    assert "calibrate" in c.source and "rough" in c.source.lower()
+
+
+def test_interpolation_is_linear_in_log_tokens_and_clamped():
+    e = load_profile("h200").compute
+    lo, hi = e.efficiency_at("grouped", 512), e.efficiency_at("grouped", 1024)
+    assert e.efficiency_at("grouped", math.sqrt(512 * 1024)) == pytest.approx((lo + hi) / 2)
+    assert e.efficiency_at("grouped", 1) == lo
+    assert e.efficiency_at("grouped", 10**6) == e.efficiency_at("grouped", 4096)
+    assert np.allclose(e.efficiency_at("loop", np.array([512, 4096])), [0.4571, 0.8908])
+    with pytest.raises(ValueError):
+        e.efficiency_at("bmm", 10)
+
+
+def test_every_key_is_documented():
+    docs = dict(field_docs())
+    assert "links.nvlink.bandwidth_GBps" in docs and "copy.overlap" in docs
+    assert all(doc for doc in docs.values())
+
+
+def test_lookup_order(tmp_path, monkeypatch):
+    builtin = find_profile("h200")
+    assert builtin.parent.name == "profiles" and builtin.parent.parent.name == "testbed"
+    monkeypatch.chdir(tmp_path)
+    data = load_profile("h200").to_dict()
+    data["description"] = "calibrated"
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "h200.toml").write_text(tomli_w.dumps(data))
+    assert load_profile("h200").description == "calibrated"  # ./profiles wins
+    other = tmp_path / "mine.toml"
+    other.write_text(tomli_w.dumps(data))
+    assert load_profile(str(other)).description == "calibrated"  # a path
+    assert load_profile("h200", search_dirs=[builtin.parent]).description != "calibrated"
+
+
+def test_missing_profile_names_the_scenario_field():
+    with pytest.raises(ScenarioError) as e:
+        load_profile("no-such-machine")
+    assert e.value.field == "cluster.profile" and "h200" in e.value.reason
+
+
+def _broken(tmp_path, edit):
+    data = load_profile("h200").to_dict()
+    edit(data)
+    path = tmp_path / "h200.toml"
+    path.write_text(tomli_w.dumps(data))
+    with pytest.raises(ScenarioError) as e:
+        load_profile(str(path))
+    return e.value
+
+
+def test_bad_values_name_the_profile_key(tmp_path):
+    err = _broken(tmp_path, lambda d: d["links"]["nvlink"].update(bandwidth_GBps=-1))
+    assert err.field == "profile h200: links.nvlink.bandwidth_GBps" and "> 0" in err.reason
+    err = _broken(tmp_path, lambda d: d["links"]["nic"].update(latency_us="fast"))
+    assert err.field == "profile h200: links.nic.latency_us"
+    err = _broken(tmp_path, lambda d: d["collectives"]["algorithm"].update(all_reduce="tree"))
+    assert err.field.endswith("collectives.algorithm.all_reduce") and "ring" in err.reason
+    err = _broken(tmp_path, lambda d: d["compute"]["efficiency"].update(grouped=[[512, 0.5], [256, 0.6]]))
+    assert err.field.endswith("compute.efficiency.grouped") and "increasing" in err.reason
+    err = _broken(tmp_path, lambda d: d["compute"]["efficiency"].update(loop=[[512, 1.5]]))
+    assert "(0, 1]" in err.reason
+    err = _broken(tmp_path, lambda d: d["copy"].update(overlapp=0.5))
+    assert err.field == "profile h200: copy.overlapp" and "overlap" in err.reason
+    err = _broken(tmp_path, lambda d: d["overheads"].pop("router_us"))
+    assert err.field == "profile h200: overheads.router_us" and "missing" in err.reason
+
+
+def test_unreadable_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("links = [")
+    with pytest.raises(ScenarioError) as e:
+        load_profile(str(path))
+    assert e.value.field == "cluster.profile"
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_save_round_trips_exactly(tmp_path, name):
+    p = load_profile(name)
+    path = save_profile(p, tmp_path / f"{name}.toml")
+    q = load_profile(str(path))
+    assert q == p and q.to_dict() == p.to_dict()
+    assert profile_from_dict(p.to_dict(), name) == p
+
+
+def test_profile_module_needs_no_simulator():
+    code = "import sys, testbed.profile; assert 'simpy' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
