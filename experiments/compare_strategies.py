@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from testbed.backend import BACKENDS
-from testbed.errors import RunError, ScenarioError
+from testbed.errors import ScenarioError, run_as_command
 from testbed.report import write_comparison_report
 from testbed.runner import run_scenario
 from testbed.runs import find_complete
@@ -73,28 +73,25 @@ def sweep(base: Scenario, backends: list[str], *, fresh: bool = False, log=sys.s
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-        for b in backends or [""]:
-            if b not in BACKENDS:
-                raise ScenarioError("--backends", b, "expected one of " + ", ".join(BACKENDS))
-        base = load_scenario(args.config, args.overrides)
-        rows = sweep(base, backends, fresh=args.fresh)
-        title = f"Token and expert-sync strategies on {Path(args.config).name}"
-        path = write_comparison_report([r["run_dir"] for r in rows], args.output, title)
-    except (ScenarioError, RunError) as e:
-        print(f"compare_strategies: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("compare_strategies: stopped; rerun to resume (finished runs are reused)", file=sys.stderr)
-        return 130
+    return run_as_command("compare_strategies", lambda: _run(args),
+                          "stopped; rerun to resume (finished runs are reused)")
+
+
+def _run(args) -> int:
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends or [""]:
+        if b not in BACKENDS:
+            raise ScenarioError("--backends", b, "expected one of " + ", ".join(BACKENDS))
+    base = load_scenario(args.config, args.overrides)
+    rows = sweep(base, backends, fresh=args.fresh)
+    title = f"Token and expert-sync strategies on {Path(args.config).name}"
+    path = write_comparison_report([r["run_dir"] for r in rows], args.output, title)
     if args.json:
         print(json.dumps(rows))
         print(f"wrote {path}", file=sys.stderr)
     else:
         print(path)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,24 +10,16 @@ import argparse
 import json
 import sys
 
-from testbed.errors import RunError, ScenarioError
+from testbed.errors import run_as_command
 from testbed.scenario import field_docs
 from testbed.scenario_file import load_scenario
-from testbed.stages import STAGES
 from testbed.units import format_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ScenarioError, RunError) as e:
-        print(f"testbed: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("testbed: stopped; the steps finished so far are in the run folder", file=sys.stderr)
-        return 130
+    args = _parser().parse_args(argv)
+    return run_as_command("testbed", lambda: args.func(args),
+                          "stopped; the steps finished so far are in the run folder")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,3 +19,21 @@ class ScenarioError(ValueError):
 
 class RunError(RuntimeError):
     """A run could not complete (a rank died, a trace does not fit the scenario, ...)."""
+
+
+def run_as_command(prog: str, work, stopped: str) -> int:
+    """Run ``work()`` for a command-line tool and return its exit code.
+
+    A ``ScenarioError`` or ``RunError`` prints ``PROG: error: ...`` as one line and
+    gives 2; Ctrl-C prints ``PROG: <stopped>`` and gives 130.
+    """
+    import sys
+
+    try:
+        return work()
+    except (ScenarioError, RunError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: {stopped}", file=sys.stderr)
+        return 130
