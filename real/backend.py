@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from real.launch import pick_device, run_ranks
 from testbed.backend import RunResult
 from testbed.errors import ScenarioError
 from testbed.progress import Progress
 from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
-
-from real.launch import pick_device, run_ranks
 
 
 class RealBackend:

@@ -45,7 +45,9 @@ def pick_device(scenario: Scenario) -> str:
 def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: str, debug: dict | None):
     """Body of one rank process."""
     try:
-        from real.worker import RankRunner  # the spawned child imports the model code itself
+        from real.worker import (
+            RankRunner,  # the spawned child imports the model code itself
+        )
 
         scenario = Scenario.from_dict(scenario_dict)
         world = scenario.world_size

@@ -16,9 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from testbed.pager import GPU, HOST, NONE, PEER, REASONS, PageMoves, RankPager
-
-UPDATE = REASONS.index("update")
+from testbed.page_moves import GPU, HOST, NONE, PEER, UPDATE, PageMoves
+from testbed.pager import RankPager
 
 
 class PagedExpertStore:

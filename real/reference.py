@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from real.experts import combine_slots, source_slots, split_flat
 from real.layer import noise_generator
 from real.task import SyntheticTask
-from real.worker import TORCH_DTYPES, initial_expert_flat, initial_router
+from real.rank_state import TORCH_DTYPES, initial_expert_flat, initial_router
 from testbed.capacity import expert_capacity
 from testbed.router import route
 from testbed.scenario import Scenario

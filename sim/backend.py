@@ -10,10 +10,14 @@ import time
 
 import numpy as np
 
+from sim.compute import ComputeModel
+from sim.engine import Engine
+from sim.programs import ProgramBuilder, StepDecisions
 from testbed.backend import RunResult
-from testbed.controller import Controller, page_move_count
 from testbed.collectives import ByteLedger
+from testbed.controller import Controller
 from testbed.heat import STATE_NAMES
+from testbed.page_moves import page_move_count
 from testbed.profile import load_profile
 from testbed.progress import Progress
 from testbed.results import StepRecord
@@ -22,10 +26,6 @@ from testbed.scenario import Scenario
 from testbed.stages import STAGES
 from testbed.topology import Layout
 from testbed.workload import SyntheticWorkload
-
-from sim.compute import ComputeModel
-from sim.engine import Engine
-from sim.programs import ProgramBuilder, StepDecisions
 
 TRACE_RANKS = 64  # ranks written to the Chrome trace (all of them up to this many)
 

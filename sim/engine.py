@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from testbed.profile import MachineProfile
-from testbed.scenario import Scenario
-
 from sim.collective_model import CollectiveModel
 from sim.fabric import build_fabric
 from sim.network import Network
+from testbed.profile import MachineProfile
+from testbed.scenario import Scenario
 
 
 @dataclass

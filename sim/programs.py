@@ -24,13 +24,12 @@ from itertools import groupby
 
 import numpy as np
 
+from sim.compute import ComputeModel
 from testbed.collectives import CollectiveOp
 from testbed.controller import LayerBackward, LayerForward, StepEnd, SyncPlan
-from testbed.pager import GPU, HOST, PageMoves
+from testbed.page_moves import GPU, HOST, PageMoves
 from testbed.scenario import Scenario
 from testbed.topology import Layout
-
-from sim.compute import ComputeModel
 
 
 @dataclass

@@ -30,7 +30,8 @@ from testbed.capacity import expert_capacity, kept_counts
 from testbed.collectives import CollectiveOp
 from testbed.group_cache import CacheEvents, GroupCache
 from testbed.heat import HeatMap, HeatUpdate, below
-from testbed.pager import REASONS, PageMoves, RankPager
+from testbed.page_moves import PageMoves
+from testbed.pager import RankPager
 from testbed.planner import Planner
 from testbed.scenario import Scenario
 from testbed.topology import Layout
@@ -274,9 +275,3 @@ class Controller:
         return int(sum(k.sum() for k in self._kept.values()))
 
 
-
-def page_move_count(moves: PageMoves) -> int:
-    """Page relocations in ``moves``: loads, write-backs, drops and refreshes; gradient
-    shipping (``update``) and invalidation of stale replicas (``stale``) are not moves."""
-    not_moves = np.isin(moves.reason, [REASONS.index("update"), REASONS.index("stale")])
-    return int(len(moves) - not_moves.sum())

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import tomli_w
+import tomllib
 
 from testbed.errors import ScenarioError
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import html
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import plotly.graph_objects as go
 import plotly.io as pio
+import tomllib
 
 from testbed.errors import ScenarioError
 from testbed.results import StepRecord

@@ -14,10 +14,10 @@ import hashlib
 import json
 import shutil
 import time
-import tomllib
 from pathlib import Path
 
 import tomli_w
+import tomllib
 
 from testbed.results import StepRecord
 from testbed.routing_trace import RoutingTrace

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from testbed.errors import ScenarioError
 from testbed.scenario import Scenario

@@ -6,7 +6,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-
 from testbed.scenario import Scenario
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "compare_strategies.py"

@@ -3,8 +3,8 @@ cache, page moves per rank, and determinism."""
 
 import numpy as np
 
-from testbed.controller import Controller, page_move_count
-from testbed.pager import REASONS
+from testbed.controller import Controller
+from testbed.page_moves import REASONS, page_move_count
 from testbed.scenario import Scenario
 from testbed.workload import SyntheticWorkload
 

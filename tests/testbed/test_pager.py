@@ -6,8 +6,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed import heat
-from testbed.pager import (ACTIVE, COLD, EVICTED, GPU, HOST, NONE, PEER, REASONS, PageMoves,
-                           RankPager)
+from testbed.pager import (
+    ACTIVE,
+    COLD,
+    EVICTED,
+    GPU,
+    HOST,
+    NONE,
+    PEER,
+    REASONS,
+    PageMoves,
+    RankPager,
+)
 from testbed.scenario import PagerConfig
 
 A, B, C = 10, 20, 30  # expert instance ids

@@ -10,8 +10,15 @@ import pytest
 import tomli_w
 
 from testbed.errors import ScenarioError
-from testbed.profile import (BUILTINS, MiB, field_docs, find_profile, load_profile,
-                             profile_from_dict, save_profile)
+from testbed.profile import (
+    BUILTINS,
+    MiB,
+    field_docs,
+    find_profile,
+    load_profile,
+    profile_from_dict,
+    save_profile,
+)
 
 
 @pytest.mark.parametrize("name", BUILTINS)

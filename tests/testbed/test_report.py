@@ -10,7 +10,12 @@ import pytest
 
 from testbed.cli import main as cli_main
 from testbed.errors import ScenarioError
-from testbed.report import load_runs, run_label, stage_time_figure, write_comparison_report
+from testbed.report import (
+    load_runs,
+    run_label,
+    stage_time_figure,
+    write_comparison_report,
+)
 from testbed.results import StepRecord, summarize
 from testbed.runs import RunWriter
 from testbed.scenario import Scenario
