@@ -1,6 +1,7 @@
 """The communication planner (M5, M7-M9): routing counts + placement + strategy -> ops.
 
-Token bytes per kept (token, expert) slot are ``H * dtype_bytes`` (M5). For an EP group
+Token bytes per kept (token, expert) slot are ``H * dtype_bytes`` (M5), or ``H`` bytes
+with FP8 payloads (``comm.payload_dtype = "fp8"``, M22). For an EP group
 with members m_0..m_{P-1}, ``D[i, j]`` is the bytes member i's tokens send to member j's
 experts in the dispatch; every token strategy moves the same slots, in different ops:
 
@@ -45,7 +46,8 @@ class Planner:
         self.s = scenario
         self.layout = layout or Layout(scenario)
         m = scenario.model
-        self.token_bytes = m.hidden_size * m.dtype_bytes
+        payload = 1 if scenario.comm.payload_dtype == "fp8" else m.dtype_bytes  # M22 compression
+        self.token_bytes = m.hidden_size * payload
         self.tokens = scenario.workload.tokens_per_rank
         self.world = tuple(range(self.layout.world))
         self.strategy = scenario.comm.token_strategy

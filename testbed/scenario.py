@@ -162,6 +162,40 @@ class CommConfig:
     expert_sync: str = doc("replicated expert gradient sync: allreduce or two_stage (M9)", "allreduce", choices=EXPERT_SYNC_STRATEGIES)
     group_cache_size: int = doc("M10: active groups (communicators) kept in the LRU cache", 100, check=positive)
     sync_batch_experts: int = doc("M9: experts per all-gather batch, on concurrent streams", 4, check=positive)
+    payload_dtype: str = doc("dtype of dispatch/combine payloads: model (as model.dtype) or fp8 (M22 compression)", "model", choices=("model", "fp8"))
+
+
+@dataclass
+class OverlapConfig:
+    """Overlap of communication with compute (M22); the simulator models these."""
+
+    micro_batches: int = doc("tokens split into this many micro-batches whose all-to-all overlaps the experts of another (1 = none)", 1, check=positive)
+    sync_with_backward: bool = doc("expert and router gradient sync of a layer overlaps the backward of the layers below it", False)
+
+
+@dataclass
+class CheckpointConfig:
+    """Hierarchical checkpoints (M23) and what a restart costs."""
+
+    enabled: bool = doc("write checkpoints during real runs", False)
+    expert_interval: int = doc("steps between full expert-weight checkpoints (seed: 1000)", 1000, check=positive)
+    optimizer_interval: int = doc("steps between optimizer-state checkpoints with the expert pages changed since (seed: 100); runs resume from the latest", 100, check=positive)
+    rng_interval: int = doc("steps between RNG-state checkpoints (seed: every step)", 1, check=positive)
+    directory: str = doc("folder of the checkpoints; empty = <run folder>/checkpoints", "")
+    restart_s: float = doc("seconds to restart after a lost GPU before work resumes (seed's goal: < 30)", 30.0, check=non_negative)
+
+
+FAULT_KINDS = ("link_degraded", "link_down", "gpu_lost")
+
+
+@dataclass
+class FaultConfig:
+    """One fault event of a simulated run (``[[faults]]`` tables)."""
+
+    at_step: int = doc("step at whose start the fault happens", 0, check=non_negative)
+    kind: str = doc("link_degraded, link_down or gpu_lost", "link_degraded", choices=FAULT_KINDS)
+    target: str = doc("links: a level (nvlink, nic, spine, pcie), leaf:M (micro-cluster M's spine uplink) or gpu:N (rank N's NIC); gpu_lost: gpu:N", "spine")
+    factor: float = doc("link_degraded: fraction of bandwidth left (0 < factor < 1)", 0.5, check=fraction)
 
 
 @dataclass
@@ -207,7 +241,8 @@ class RealConfig:
 SECTIONS = {
     "model": ModelConfig, "cluster": ClusterConfig, "parallelism": ParallelismConfig,
     "router": RouterConfig, "pager": PagerConfig, "heat": HeatConfig, "comm": CommConfig,
-    "workload": WorkloadConfig, "run": RunConfig, "sim": SimConfig, "real": RealConfig,
+    "overlap": OverlapConfig, "workload": WorkloadConfig, "run": RunConfig,
+    "checkpoint": CheckpointConfig, "sim": SimConfig, "real": RealConfig,
 }
 
 
@@ -226,6 +261,9 @@ class Scenario:
     run: RunConfig = field(default_factory=RunConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     real: RealConfig = field(default_factory=RealConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: list[FaultConfig] = field(default_factory=list)
     notes: str = ""
 
     # ---- derived sizes -------------------------------------------------------------
@@ -254,8 +292,13 @@ class Scenario:
                 if not isinstance(value, str):
                     raise ScenarioError("notes", value, "expected a string")
                 continue
+            if name == "faults":
+                if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                    raise ScenarioError("faults", value, "expected [[faults]] tables")
+                sections["faults"] = [_build_section(f"faults[{i}]", FaultConfig, v) for i, v in enumerate(value)]
+                continue
             if name not in SECTIONS:
-                raise ScenarioError(name, value, _unknown(name, list(SECTIONS) + ["notes"], "section"))
+                raise ScenarioError(name, value, _unknown(name, list(SECTIONS) + ["faults", "notes"], "section"))
             if not isinstance(value, dict):
                 raise ScenarioError(name, value, "expected a table [" + name + "]")
             sections[name] = _build_section(name, SECTIONS[name], value)
@@ -266,8 +309,9 @@ class Scenario:
     def to_dict(self) -> dict:
         """Plain mapping of every field (the resolved scenario written into a run)."""
         out = dataclasses.asdict(self)
-        if not out["notes"]:
-            del out["notes"]
+        for optional in ("notes", "faults"):
+            if not out[optional]:
+                del out[optional]
         return out
 
     def replace(self, **changes: dict) -> "Scenario":
@@ -300,6 +344,22 @@ class Scenario:
             raise ScenarioError("pager.gpu_budget_bytes", self.pager.gpu_budget_bytes, "holds less than one page")
         if self.comm.token_strategy == "hierarchical":
             Layout(self).check_hierarchical()
+        for i, f in enumerate(self.faults):
+            _check_fault(f"faults[{i}]", f, self.world_size)
+
+
+def _check_fault(path: str, f: "FaultConfig", world: int) -> None:
+    if f.kind == "link_degraded" and not 0 < f.factor < 1:
+        raise ScenarioError(f"{path}.factor", f.factor, "a degraded link keeps between 0 and 1 of its bandwidth")
+    kind, _, index = f.target.partition(":")
+    if f.kind == "gpu_lost" and kind != "gpu":
+        raise ScenarioError(f"{path}.target", f.target, "a lost GPU is named gpu:N")
+    if kind in ("gpu", "leaf") and not index.isdigit():
+        raise ScenarioError(f"{path}.target", f.target, f"expected {kind}:N with N a number")
+    if kind == "gpu" and int(index) >= world:
+        raise ScenarioError(f"{path}.target", f.target, f"there are {world} GPUs")
+    if kind not in ("gpu", "leaf", "nvlink", "nic", "spine", "pcie"):
+        raise ScenarioError(f"{path}.target", f.target, "expected nvlink, nic, spine, pcie, leaf:M or gpu:N")
 
 
 def _unknown(name: str, known: list[str], what: str) -> str:
@@ -355,7 +415,7 @@ def _coerce(path: str, meta: dict, value: Any) -> Any:
 def field_docs() -> list[tuple[str, Any, str]]:
     """(dotted name, default, doc) for every scenario field, in file order."""
     rows = []
-    for section, cls in SECTIONS.items():
+    for section, cls in list(SECTIONS.items()) + [("faults[]", FaultConfig)]:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((f"{section}.{f.name}", default, f.metadata["doc"]))
