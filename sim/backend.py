@@ -1,7 +1,12 @@
 """The simulator backend: the scenario's training steps on a simulated GPU cluster.
 
-Routing comes from the synthetic workload (M4) or from a recorded trace
-(``workload.trace``); the shared controller takes every decision; the engine times them.
+Per step: faults due at this step change the fabric or cost a restart; routing comes
+from the synthetic workload (M4) or a recorded trace (``workload.trace``); the shared
+controller takes every decision; ``PhaseBuilder`` turns them into timed work on each
+GPU's streams; an executor times the phases (``sim.network_model``: ``flow`` =
+simpy over the max-min fair network, ``analytic`` = the vectorised bottleneck
+schedule, ``auto`` = flow up to ``sim.flow_max_gpus`` GPUs); ``step_report`` says what
+it means.
 """
 
 from __future__ import annotations
@@ -9,25 +14,31 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import simpy
 
-from sim.compute import ComputeModel
-from sim.engine import Engine
-from sim.programs import ProgramBuilder, StepDecisions
 from testbed.backend import RunResult
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
 from testbed.heat import STATE_NAMES
 from testbed.page_moves import page_move_count
-from testbed.profile import load_profile
+from testbed.profile import MachineProfile, load_profile
 from testbed.progress import Progress
 from testbed.results import StepRecord
 from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
-from testbed.stages import STAGES
-from testbed.topology import Layout
+from testbed.topology import LEVELS, Layout
 from testbed.workload import SyntheticWorkload
 
-TRACE_RANKS = 64  # ranks written to the Chrome trace (all of them up to this many)
+from sim.collective_model import AnalyticTimer, CollectiveModel
+from sim.compute import ComputeModel
+from sim.fabric import build_fabric
+from sim.faults import Faults
+from sim.network import Network
+from sim.phases import PhaseBuilder, StepDecisions
+from sim.schedule import run_analytic, run_flows
+from sim.step_report import figures, trace_events
+
+TRACE_RANKS = 16  # GPUs shown in the Chrome trace
 
 
 def decide_step(controller: Controller, step: int, routed: np.ndarray) -> StepDecisions:
@@ -48,6 +59,81 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
+def network_mode(scenario: Scenario) -> str:
+    mode = scenario.sim.network_model
+    if mode == "auto":
+        return "flow" if scenario.world_size <= scenario.sim.flow_max_gpus else "analytic"
+    return mode
+
+
+class ClusterSim:
+    """The simulated cluster of one run: fabric, network, models, controller, clock."""
+
+    def __init__(self, scenario: Scenario, profile: MachineProfile):
+        s = self.s = scenario
+        self.profile = profile
+        self.layout = Layout(s)
+        self.controller = Controller(s, layout=self.layout)
+        self.env = simpy.Environment()
+        self.fabric = build_fabric(s, profile)
+        self.mode = network_mode(s)
+        self.network = Network(self.env, self.fabric, self.mode)
+        self.collectives = CollectiveModel(self.network, profile)
+        self.timer = AnalyticTimer(self.collectives)
+        self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype),
+                                    profile.collectives.group_create_ms * 1e-3, profile.copy.overlap > 0,
+                                    create_on_all_ranks=profile.collectives.group_create_scope == "all")
+        self.faults = Faults(s, self.fabric)
+        self.copy_latency = profile.copy.latency_us * 1e-6
+        self.clock = 0.0
+        self.fixed_groups = self._fixed_groups()
+
+    def _fixed_groups(self) -> np.ndarray:
+        """Communicators every rank holds from the start: world, EP group, replica group,
+        and the node / column groups of the hierarchical all-to-all."""
+        lay = self.layout
+        n = np.full(lay.world, 1 + (lay.ep_size > 1) + (lay.replicas > 1))
+        for grid in self.builder_grids():
+            a, b = grid.shape
+            n[grid.reshape(-1)] += (b > 1) + (a > 1)
+        return n
+
+    def builder_grids(self):
+        return self.controller.planner.grids or []
+
+    def memory_at_start(self) -> np.ndarray:
+        """[W] bytes each GPU holds when a step begins: resident expert pages (all local
+        experts when paging is off) and communicator buffers (M10)."""
+        lay, m = self.layout, self.s.model
+        if self.controller.pool is not None:
+            pool = self.controller.pool
+            slots = np.array([p.used_slots for p in pool.pagers])[pool.class_of]
+            pages = slots * self.s.pager.page_size_bytes
+        else:
+            pages = np.full(lay.world, len(self.controller.local_instances(0)) * m.expert_bytes)
+        groups = self.fixed_groups.copy()
+        for members in self.controller.cache._groups:
+            groups[list(members)] += 1
+        return pages + groups * self.profile.collectives.communicator_MiB * 2**20
+
+    def step(self, step: int, routed: np.ndarray, step_times: list[float]):
+        """Simulate one step: (decisions, phases, timeline, figures, faults)."""
+        faults = self.faults.apply(step, step_times)
+        if faults and self.mode == "flow":
+            self.network.refresh()
+        base = self.memory_at_start()
+        decisions = decide_step(self.controller, step, routed)
+        phases = self.builder.build(decisions)
+        world = self.layout.world
+        if self.mode == "analytic":
+            tl = run_analytic(phases, world, self.timer, self.clock, self.copy_latency)
+        else:
+            tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency)
+        fig = figures(phases, tl, base, self.s.model.num_layers)
+        self.clock = tl.t0 + fig.step_time_s
+        return decisions, phases, tl, fig, faults, base
+
+
 class SimBackend:
     name = "sim"
 
@@ -56,105 +142,87 @@ class SimBackend:
         s = scenario
         profile = load_profile(s.cluster.profile)
         routed_at = routing_source(s)
-        layout = Layout(s)
-        controller = Controller(s, layout=layout)
-        engine = Engine(s, profile)
-        builder = ProgramBuilder(s, layout, ComputeModel(profile, s.model.dtype),
-                                 profile.collectives.group_create_ms * 1e-3)
-        bar = Progress(s.run.steps, f"sim x{s.world_size}", enabled=progress)
-        records, trace, routing = [], [], []
+        sim = ClusterSim(s, profile)
+        level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
+        bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
+        records, trace, routing, layer_times = [], [], [], []
         for step in range(s.run.steps):
             routed = np.asarray(routed_at(step))
             routing.append(routed)
-            decisions = decide_step(controller, step, routed)
-            start, timings = engine.run_step(builder.build(decisions))
-            record = self._record(step, s, layout, controller, decisions, start, timings)
+            d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
+            record = _record(step, sim, d, fig, faults)
             records.append(record)
-            trace += _trace_events(step, start, timings)
+            layer_times.append(fig.layer_time_s)
+            trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, base, level_capacity)
             if on_step:
                 on_step(record)
             bar.update(note=f"simulated step {record.step_time_s * 1e3:.2f} ms")
-        elapsed = engine.env.now
+        measured = records[s.run.warmup_steps:] or records
+        elapsed = sum(r.step_time_s for r in records)
+        trace += _trace_names(s.world_size, TRACE_RANKS)
         extra = {
-            "network_model": engine.mode,
+            "network_model": sim.mode,
             "profile": profile.name,
-            "utilization_by_level": engine.network.utilization_by_level(elapsed),
-            "hottest_links": engine.network.hottest_links(5, elapsed),
-            "sim_events": engine.events,
+            "utilization_by_level": sim.network.utilization_by_level(elapsed) if elapsed > 0 else {},
+            "hottest_links": sim.network.hottest_links(5, elapsed) if elapsed > 0 else [],
+            "layer_time_s": [float(np.median([lt[i] for lt in layer_times[s.run.warmup_steps:] or layer_times]))
+                             for i in range(s.model.num_layers)],
+            "exposed_s": float(np.median([r.extra["exposed_s_mean"] for r in measured])),
+            "device_memory_bytes": profile.compute.device_memory_GB * 1e9,
+            "fits_in_device_memory": max(r.peak_memory_bytes for r in records) <= profile.compute.device_memory_GB * 1e9,
+            "faults": [f.to_dict() for f in sim.faults.outcomes],
+            "fault_time_lost_s": sum(f.time_lost_s for f in sim.faults.outcomes),
             "wall_time_s": time.perf_counter() - wall0,
         }
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
         return RunResult(s, records, trace, routing_trace, extra)
 
-    @staticmethod
-    def _record(step, s, layout, controller, d: StepDecisions, start, timings) -> StepRecord:
-        ledger = ByteLedger(layout)
-        moves = []
-        for f in d.forward:
-            for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops:
-                ledger.add_op(op)
-            moves += f.page_moves.values()
-        for b in d.backward.values():
-            for op in b.combine_backward_ops + b.dispatch_backward_ops:
-                ledger.add_op(op)
-            moves += b.page_moves.values()
-        for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops:
+
+def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRecord:
+    """One StepRecord: bytes from the decisions (as the real backend counts them), times
+    and memory from the simulated timeline."""
+    ledger = ByteLedger(sim.layout)
+    moves = [d.sync.page_moves, d.end.page_moves]
+    for f in d.forward:
+        for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops:
             ledger.add_op(op)
-        moves += list(d.sync.page_moves.values()) + list(d.end.page_moves.values())
-        pcie = sum(m.pcie_bytes for m in moves)
-        if pcie:
-            ledger.add_pcie("paging", pcie)
-        n = len(timings)
-        stall = [sum(t1 - t0 for st, kind, t0, t1 in t.regions if st == "paging" and kind == "copy") for t in timings]
-        states = None
-        if d.end.heat is not None:
-            states = {name: int((d.end.heat.states == code).sum()) for code, name in enumerate(STATE_NAMES)}
-        cache = d.sync.cache
-        return StepRecord(
-            step=step,
-            step_time_s=max(t.end for t in timings) - start,
-            stage_time_s={st: sum(t.totals.get(st, 0.0) for t in timings) / n for st in STAGES},
-            bytes_by_stage={k: int(v) for k, v in ledger.by_stage.items()},
-            bytes_by_level=ledger.level_dict(),
-            peak_memory_bytes=_peak_memory(s, layout, controller, d),
-            routed_slots=int(sum(f.routed.sum() for f in d.forward)),
-            dropped_slots=int(sum(f.dropped_slots for f in d.forward)),
-            page_moves=sum(page_move_count(m) for m in moves),
-            page_bytes=int(pcie),
-            page_stall_s=sum(stall) / n,
-            cache_hits=cache.hits if cache else 0,
-            cache_lookups=cache.lookups if cache else 0,
-            expert_states=states,
-        )
+        moves.append(f.page_moves)
+    for b in d.backward.values():
+        for op in b.combine_backward_ops + b.dispatch_backward_ops:
+            ledger.add_op(op)
+        moves.append(b.page_moves)
+    for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops:
+        ledger.add_op(op)
+    groups = [g for m in moves for g in m.groups()]  # (ranks, moves each of them made)
+    pcie = sum(len(ranks) * m.pcie_bytes for ranks, m in groups)
+    if pcie:
+        ledger.add_pcie("paging", pcie)
+    states = None
+    if d.end.heat is not None:
+        states = {name: int((d.end.heat.states == code).sum()) for code, name in enumerate(STATE_NAMES)}
+    cache = d.sync.cache
+    return StepRecord(
+        step=step,
+        step_time_s=fig.step_time_s,
+        stage_time_s=fig.stage_time_s,
+        bytes_by_stage={k: int(v) for k, v in ledger.by_stage.items()},
+        bytes_by_level=ledger.level_dict(),
+        peak_memory_bytes=fig.peak_memory_bytes,
+        routed_slots=int(sum(f.routed.sum() for f in d.forward)),
+        dropped_slots=int(sum(f.dropped_slots for f in d.forward)),
+        page_moves=sum(len(ranks) * page_move_count(m) for ranks, m in groups),
+        page_bytes=int(pcie),
+        page_stall_s=fig.page_stall_s,
+        cache_hits=cache.hits if cache else 0,
+        cache_lookups=cache.lookups if cache else 0,
+        expert_states=states,
+        extra={"layer_time_s": fig.layer_time_s, "exposed_s_mean": fig.exposed_s_mean,
+               "exposed_s_max": fig.exposed_s_max, "faults": [f.to_dict() for f in faults]},
+    )
 
 
-def _peak_memory(s: Scenario, layout: Layout, controller: Controller, d: StepDecisions) -> int:
-    """Largest per-rank estimate of resident expert pages + activations + gradients (bytes).
-
-    Activations per layer: the layer input (T x H), and per expert row the expert input
-    (H), its pre-activation (F) and output (H), in the model dtype; all kept for the
-    backward. Gradients: the updated experts' weights.
-    """
-    m = s.model
-    t = s.workload.tokens_per_rank
-    best = 0
-    for r in range(layout.world):
-        group = layout.rank_of[layout.group_of[r]]
-        local = list(layout.local_experts(r))
-        rows = sum(int(f.kept[group][:, local].sum()) for f in d.forward)
-        act = (m.num_layers * t * m.hidden_size + rows * (2 * m.hidden_size + m.ffn_hidden_size)) * m.dtype_bytes
-        pager = controller.pagers.get(r)
-        resident = pager.peak_resident_bytes if pager else len(controller.local_instances(r)) * m.expert_bytes
-        grads = len(d.sync.updated.get(r, ())) * m.expert_bytes
-        best = max(best, resident + act + grads)
-    return int(best)
-
-
-def _trace_events(step: int, start: float, timings) -> list[dict]:
-    streams = {"compute": "compute", "wait": "comm", "ops": "comm", "copy": "copy"}
-    events = []
-    for rank, t in enumerate(timings[:TRACE_RANKS]):
-        for stage, kind, t0, t1 in t.regions:
-            events.append({"name": stage, "ph": "X", "pid": rank, "tid": streams[kind],
-                           "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
-    return events
+def _trace_names(world: int, shown: int) -> list[dict]:
+    names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"GPU {r}"}}
+             for r in range(min(world, shown))]
+    names.append({"name": "process_name", "ph": "M", "pid": world, "args": {"name": "fabric"}})
+    return names

@@ -102,3 +102,76 @@ class CollectiveModel:
             yield self.env.timeout(flows.fixed_latency_s)
         yield self.network.start_flows(flows.src, flows.dst, flows.nbytes, tag=op.stage,
                                        path_latency=False)
+
+
+class _Pattern(NamedTuple):
+    """Cached routes of an op shape: flows between member indices and their paths."""
+
+    i: np.ndarray  # member index of each flow's source
+    j: np.ndarray  # member index of each flow's destination
+    hops: np.ndarray  # edges per flow
+    edges: np.ndarray  # concatenated edge indices of the flows
+    latency: np.ndarray  # path latency per flow (s)
+
+
+class AnalyticTimer:
+    """The analytic (bottleneck-link) time of ops, with routes cached per member set.
+
+    Gives the same time as ``Network`` in analytic mode for the flows of ``flows_for``,
+    without creating simpy events, so millions of ops stay cheap. Adds each op's bytes
+    and busy seconds to the network's per-edge statistics.
+    """
+
+    def __init__(self, model: CollectiveModel):
+        self.model = model
+        self.fabric = model.fabric
+        self.stats = model.network
+        self._patterns: dict[tuple, _Pattern] = {}
+
+    def _pattern(self, kind: str, members: tuple[int, ...]) -> _Pattern:
+        key = (kind, members)
+        pat = self._patterns.get(key)
+        if pat is None:
+            p = len(members)
+            if kind in ("all_to_all_v", "p2p"):
+                i, j = np.nonzero(~np.eye(p, dtype=bool)) if kind == "all_to_all_v" else (np.array([0]), np.array([1]))
+            else:  # ring: member i -> i + 1
+                i = np.arange(p)
+                j = np.roll(i, -1)
+            m = np.asarray(members)
+            paths = self.fabric.paths(m[i], m[j])
+            pat = self._patterns[key] = _Pattern(i, j, paths.hops, paths.edges, paths.latency)
+        return pat
+
+    def seconds(self, op: CollectiveOp) -> float:
+        """Seconds ``op`` takes alone on the fabric (fixed latency + bottleneck link)."""
+        model = self.model
+        p = len(op.members)
+        if op.kind == "p2p" and op.members[0] == op.members[1]:
+            return 0.0
+        if op.kind not in ("all_to_all_v", "p2p") and p < 2:
+            return 0.0
+        kind = op.kind
+        if kind == "reduce_scatter" and model.algorithm(kind) == "all_reduce":
+            kind = "all_reduce"
+        pat = self._pattern("ring" if kind in ("all_reduce", "all_gather", "reduce_scatter") else kind, op.members)
+        if kind == "all_to_all_v":
+            nbytes = np.asarray(op.matrix, dtype=np.float64)[pat.i, pat.j]
+            used = nbytes > 0
+            if not used.any():
+                return model.call_latency
+            fixed = model.call_latency + float(pat.latency[used].max())
+        elif kind == "p2p":
+            nbytes = np.array([float(op.size)])
+            fixed = model.call_latency + float(pat.latency[0])
+        else:
+            per_flow, steps = {"all_reduce": (2 * (p - 1) / p * op.size, 2 * (p - 1)),
+                               "all_gather": ((p - 1) * op.size, p - 1),
+                               "reduce_scatter": ((p - 1) / p * op.size, p - 1)}[kind]
+            nbytes = np.full(p, float(per_flow))
+            fixed = model.call_latency + steps * float(pat.latency.max())
+        load = np.bincount(pat.edges, weights=np.repeat(nbytes, pat.hops), minlength=self.fabric.num_edges)
+        busy = load / self.fabric.capacity.clip(min=1e-300)
+        self.stats.bytes_by_edge += load
+        self.stats.busy_by_edge += busy
+        return fixed + float(busy.max())

@@ -45,24 +45,33 @@ class ComputeModel:
     def expert_time(self, tokens_per_expert, hidden: int, ffn: int, kernel: str = "grouped",
                     backward: bool = False) -> float:
         """Seconds to run the experts of one rank on ``tokens_per_expert`` (one count each)."""
-        t = np.asarray(tokens_per_expert, dtype=np.float64).ravel()
-        if t.sum() <= 0:
-            return 0.0
+        t = np.asarray(tokens_per_expert, dtype=np.float64).reshape(1, -1)
+        return float(self.expert_times(t, hidden, ffn, kernel, backward)[0])
+
+    def expert_times(self, tokens, hidden: int, ffn: int, kernel: str = "grouped",
+                     backward: bool = False) -> np.ndarray:
+        """[ranks] seconds for ``tokens`` [ranks, experts per rank], one rank per row."""
+        t = np.asarray(tokens, dtype=np.float64)
         mult = 2 if backward else 1
         gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
         flops = 4.0 * t * hidden * ffn * mult  # per expert
         weight_bytes = 2.0 * hidden * ffn * self.dtype_bytes * mult  # per active expert
         eff = self.profile.compute.efficiency_at
+        idle = t.sum(axis=1) <= 0
         if kernel == "loop":
             active = t > 0
-            compute = flops[active] / (self.peak * eff("loop", t[active]))
-            per_expert = np.maximum(compute, max(weight_bytes / self.memory_bw, gemms * self.launch))
-            return float(per_expert.sum())
-        if kernel == "grouped":
-            compute = flops.sum() / (self.peak * eff("grouped", t.mean()))
-            memory = weight_bytes * np.count_nonzero(t) / self.memory_bw
-            return float(max(compute, memory, gemms * self.launch))
-        raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+            with np.errstate(divide="ignore", invalid="ignore"):
+                compute = np.where(active, flops / (self.peak * eff("loop", np.where(active, t, 1.0))), 0.0)
+            floor = max(weight_bytes / self.memory_bw, gemms * self.launch)
+            seconds = np.where(active, np.maximum(compute, floor), 0.0).sum(axis=1)
+        elif kernel == "grouped":
+            mean = np.maximum(t.mean(axis=1), 1e-12)
+            compute = flops.sum(axis=1) / (self.peak * eff("grouped", mean))
+            memory = weight_bytes * np.count_nonzero(t, axis=1) / self.memory_bw
+            seconds = np.maximum(np.maximum(compute, memory), gemms * self.launch)
+        else:
+            raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+        return np.where(idle, 0.0, seconds)
 
     def router_time(self, tokens: int, hidden: int, experts: int) -> float:
         """Gate GEMM (tokens x H times H x E at the grouped efficiency of ``tokens``, reading

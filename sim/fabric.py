@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
+from testbed.errors import RunError
 from testbed.profile import MachineProfile
 from testbed.topology import LEAF, LEVELS, NVLINK, PCIE, SPINE
 
@@ -120,6 +121,8 @@ class Fabric:
             for i, (u, v) in enumerate(self.edges))
         self._node = node
         self._mc = mc
+        #: nic_relay[r]: the GPU whose NIC carries r's inter-node traffic (itself unless rerouted)
+        self.nic_relay = np.arange(W)
 
     # ---- routing -----------------------------------------------------------------------
     def paths(self, src, dst, kind: str = "fabric") -> Paths:
@@ -143,19 +146,43 @@ class Fabric:
         o = self.offset
         same_node = self._node[src] == self._node[dst]
         cross = self._mc[src] != self._mc[dst]
-        table = np.empty((n, 4), dtype=np.int64)
-        table[:, 0] = np.where(same_node, o["nvlink_up"] + src, o["nic_up"] + src)
-        table[:, 1] = o["spine_up"] + self._mc[src]
-        table[:, 2] = o["spine_down"] + self._mc[dst]
-        table[:, 3] = np.where(same_node, o["nvlink_down"] + dst, o["nic_down"] + dst)
-        mask = np.ones((n, 4), dtype=bool)
-        mask[:, 1] = mask[:, 2] = cross
-        mask &= (src != dst)[:, None]
+        inter = ~same_node & (src != dst)
+        # a GPU whose NIC is down reaches the leaf through a node peer's NIC (NVLink hop)
+        rs, rd = self.nic_relay[src], self.nic_relay[dst]
+        table = np.empty((n, 8), dtype=np.int64)
+        table[:, 0] = o["nvlink_up"] + src
+        table[:, 1] = o["nvlink_down"] + rs
+        table[:, 2] = o["nic_up"] + rs
+        table[:, 3] = o["spine_up"] + self._mc[src]
+        table[:, 4] = o["spine_down"] + self._mc[dst]
+        table[:, 5] = o["nic_down"] + rd
+        table[:, 6] = o["nvlink_up"] + rd
+        table[:, 7] = o["nvlink_down"] + dst
+        mask = np.zeros((n, 8), dtype=bool)
+        intra = same_node & (src != dst)
+        mask[:, 0] = intra | (inter & (rs != src))
+        mask[:, 1] = inter & (rs != src)
+        mask[:, 2] = inter
+        mask[:, 3] = mask[:, 4] = cross
+        mask[:, 5] = inter
+        mask[:, 6] = inter & (rd != dst)
+        mask[:, 7] = intra | (inter & (rd != dst))
         hops = mask.sum(axis=1)
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(hops, out=indptr[1:])
         latency = (self.latency[table] * mask).sum(axis=1)
         return Paths(indptr, table[mask], latency)
+
+    def reroute_nic(self, rank: int) -> int:
+        """Send ``rank``'s inter-node traffic through the NIC of a node peer whose NIC is
+        up (GPU -> NVLink -> peer -> NIC). Returns the peer; RunError if there is none."""
+        node = self._node[rank]
+        for peer in np.flatnonzero(self._node == node):
+            nic = [self.offset["nic_up"] + peer, self.offset["nic_down"] + peer]
+            if peer != rank and self.nic_relay[peer] == peer and (self.capacity[nic] > 0).all():
+                self.nic_relay[rank] = peer
+                return int(peer)
+        raise RunError(f"GPU {rank}: no GPU of its node has a working NIC to reroute through")
 
     def path(self, src_rank: int, dst_rank: int) -> np.ndarray:
         """Edge indices of the route from ``src_rank`` to ``dst_rank``."""

@@ -30,8 +30,8 @@ from testbed.capacity import expert_capacity, kept_counts
 from testbed.collectives import CollectiveOp
 from testbed.group_cache import CacheEvents, GroupCache
 from testbed.heat import HeatMap, HeatUpdate, below
-from testbed.page_moves import PageMoves
 from testbed.pager import RankPager
+from testbed.pager_pool import MovesByRank, PagerPool
 from testbed.planner import Planner
 from testbed.scenario import Scenario
 from testbed.topology import Layout
@@ -49,7 +49,7 @@ class LayerForward:
     refresh_ops: list[CollectiveOp]
     dispatch_ops: list[CollectiveOp]
     combine_ops: list[CollectiveOp]
-    page_moves: dict[int, PageMoves]  # per paged rank: refresh rows then access rows
+    page_moves: MovesByRank  # per paged rank: refresh rows then access rows
 
     @property
     def dropped_slots(self) -> int:
@@ -61,7 +61,7 @@ class LayerBackward:
     layer: int
     combine_backward_ops: list[CollectiveOp]
     dispatch_backward_ops: list[CollectiveOp]
-    page_moves: dict[int, PageMoves]  # per paged rank: reloads before the experts' backward
+    page_moves: MovesByRank  # per paged rank: reloads before the experts' backward
 
 
 @dataclass
@@ -72,13 +72,13 @@ class SyncPlan:
     dense_sync_ops: list[CollectiveOp]
     cache: CacheEvents | None  # None under allreduce sync (no cached groups)
     updated: dict[int, np.ndarray]  # per rank of paged_ranks: local instances whose weights change
-    page_moves: dict[int, PageMoves]  # per paged rank: update rows then stale rows
+    page_moves: MovesByRank  # per paged rank: update rows then stale rows
 
 
 @dataclass
 class StepEnd:
     heat: HeatUpdate | None  # None when no heat update was due
-    page_moves: dict[int, PageMoves] = field(default_factory=dict)
+    page_moves: MovesByRank = field(default_factory=MovesByRank)
 
 
 class Controller:
@@ -94,10 +94,10 @@ class Controller:
                                         scenario.router.capacity_factor, lay.ep_size,
                                         scenario.router.pad_capacity_to_ep)
         self.paged_ranks = list(range(lay.world) if paged_ranks is None else paged_ranks)
-        self.pagers: dict[int, RankPager] = {}
+        self.pool: PagerPool | None = None
         if scenario.pager.enabled:
-            for r in self.paged_ranks:
-                self.pagers[r] = RankPager(r, self.local_instances(r), m.expert_bytes, scenario.pager)
+            local = np.stack([self.local_instances(r) for r in self.paged_ranks])
+            self.pool = PagerPool(self.paged_ranks, local, m.expert_bytes, scenario.pager)
         self.pages_per_expert = -(-m.expert_bytes // scenario.pager.page_size_bytes)
         #: fresh[i, g]: replica g of instance i holds the latest weights
         self.fresh = np.ones((self.L * self.E, lay.replicas), dtype=bool)
@@ -116,6 +116,10 @@ class Controller:
     def _replica_rank(self, group: int, expert: int) -> int:
         return self.layout.expert_rank(group, expert)
 
+    def pager_of(self, rank: int) -> RankPager | None:
+        """The page table of ``rank`` (shared with the ranks in the same state)."""
+        return self.pool.pager_of(rank) if self.pool is not None else None
+
     # ---- the step ---------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -129,9 +133,7 @@ class Controller:
         lay = self.layout
         active = kept[lay.rank_of].sum(axis=1) > 0  # [R, P, E] -> [R, E]
         self._kept[layer], self._active[layer] = kept, active
-        refresh_ops, moves = self._refresh_stale(layer, active)
-        for r, pager in self.pagers.items():
-            moves.setdefault(r, []).append(self._access(r, layer))
+        refresh_ops, refreshed = self._refresh_stale(layer, active)
         p = self.planner
         return LayerForward(
             layer, routed, kept, active,
@@ -139,7 +141,7 @@ class Controller:
             refresh_ops=refresh_ops,
             dispatch_ops=p.token_ops("dispatch", layer, kept),
             combine_ops=p.token_ops("combine", layer, kept),
-            page_moves={r: PageMoves.concat(parts) for r, parts in moves.items()},
+            page_moves=MovesByRank.concat([refreshed, self._access(layer)]),
         )
 
     def local_instances_needed(self, rank: int, layer: int) -> np.ndarray:
@@ -148,18 +150,20 @@ class Controller:
         used = self._active[layer][self.layout.group_of[rank], experts]
         return layer * self.E + experts[used]
 
-    def _access(self, rank: int, layer: int) -> PageMoves:
-        """Pages of the layer's needed experts onto the GPU, pinned only while the layer
+    def _access(self, layer: int) -> MovesByRank:
+        """Pages of the layer's needed experts onto each GPU, pinned only while the layer
         computes: the next layer may evict them (and the backward loads them again)."""
-        pager = self.pagers[rank]
-        moves = pager.access(self.local_instances_needed(rank, layer), self.step)
-        pager.end_step()  # unpin
+        if self.pool is None:
+            return MovesByRank()
+        moves = self.pool.call("access", {r: (self.local_instances_needed(r, layer),) for r in self.paged_ranks},
+                               self.step)
+        self.pool.call_all("end_step")  # unpin
         return moves
 
     def _refresh_stale(self, layer: int, active: np.ndarray):
         """p2p ops that bring stale replicas that are needed now up to date (M9, M16)."""
         ops: list[CollectiveOp] = []
-        moves: dict[int, list[PageMoves]] = {}
+        arriving: dict[int, list[int]] = {}
         lay = self.layout
         base = layer * self.E
         need = active & ~self.fresh[base:base + self.E].T  # [R, E]
@@ -173,9 +177,11 @@ class Controller:
             ops.append(CollectiveOp("p2p", (src, dst), "paging", layer, size=self.s.model.expert_bytes,
                                     label=f"refresh expert {e}"))
             self.fresh[i, g] = True
-            if dst in self.pagers:
-                moves.setdefault(dst, []).append(self.pagers[dst].refresh(np.array([i]), self.step))
-        return ops, moves
+            arriving.setdefault(dst, []).append(i)
+        if self.pool is None:
+            return ops, MovesByRank()
+        mine = {r: (np.array(sorted(v)),) for r, v in arriving.items() if r in self.pool.row_of}
+        return ops, self.pool.call("refresh", mine, self.step)
 
     def backward_layer(self, layer: int) -> LayerBackward:
         """Ops of one layer's backward, and the page moves that bring its experts back."""
@@ -183,7 +189,7 @@ class Controller:
         return LayerBackward(layer,
                              self.planner.token_ops("combine_backward", layer, kept),
                              self.planner.token_ops("dispatch_backward", layer, kept),
-                             {r: self._access(r, layer) for r in self.pagers})
+                             self._access(layer))
 
     def active_groups(self, layer: int) -> list[tuple[int, ...]]:
         """A_e for every expert of ``layer``: sorted ranks of replicas that hold a gradient."""
@@ -212,7 +218,7 @@ class Controller:
         self._comm_heat_step = comm_heat
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
         any_tokens = active.any(axis=1).reshape(-1)  # [L*E]: the summed gradient is non-zero
-        updated, moves = {}, {}
+        updated, stale = {}, {}
         for r in self.paged_ranks:
             local = self.local_instances(r)
             g = self.layout.group_of[r]
@@ -221,10 +227,11 @@ class Controller:
             else:
                 changed = any_tokens[local]
             updated[r] = local[changed]
-            pager = self.pagers.get(r)
-            if pager is not None:
-                newly_stale = local[fresh_before[local, g] & ~self.fresh[local, g]]
-                moves[r] = PageMoves.concat([pager.apply_update(updated[r]), pager.invalidate(newly_stale)])
+            stale[r] = local[fresh_before[local, g] & ~self.fresh[local, g]]
+        moves = MovesByRank()
+        if self.pool is not None:
+            moves = MovesByRank.concat([self.pool.call("apply_update", {r: (u,) for r, u in updated.items()}),
+                                        self.pool.call("invalidate", {r: (x,) for r, x in stale.items() if len(x)})])
         return SyncPlan(expert_ops, dense_ops, cache, updated, moves)
 
     def _mark_stale(self, layer: int, groups: list[tuple[int, ...]]) -> None:
@@ -264,10 +271,13 @@ class Controller:
         update = self.heat.update(self.step)
         level = np.percentile(update.scores, self.s.pager.cold_percentile)
         below_cold = below(update.scores, level)
-        moves = {}
-        for r, pager in self.pagers.items():
-            local = self.local_instances(r)
-            moves[r] = pager.heat_update(below_cold[local], update.states[local], update.woken[local], self.step)
+        moves = MovesByRank()
+        if self.pool is not None:
+            per_rank = {}
+            for r in self.paged_ranks:
+                local = self.local_instances(r)
+                per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
+            moves = self.pool.call("heat_update", per_rank, self.step)
         return StepEnd(update, moves)
 
     @property

@@ -78,4 +78,6 @@ _MOVE_FIELDS = tuple(f.name for f in fields(PageMoves))
 def page_move_count(moves: PageMoves) -> int:
     """Page relocations in ``moves``: loads, write-backs, drops and refreshes; gradient
     shipping (``update``) and invalidation of stale replicas (``stale``) are not moves."""
-    return int(len(moves) - np.isin(moves.reason, [UPDATE, STALE]).sum())
+    if not len(moves):
+        return 0
+    return int(len(moves) - np.count_nonzero((moves.reason == UPDATE) | (moves.reason == STALE)))

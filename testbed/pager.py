@@ -231,6 +231,9 @@ class RankPager:
         self._last_access[pages] = step
         self._accesses[local] += self.pages_per_expert
         missing = pages[self._location[pages] != GPU]
+        if not len(missing):  # all resident: nothing loads, the reserve only shrinks by loads
+            self._frozen[local] = False
+            return PageMoves.concat([self._emergency()]) if self._reserve_short() else PageMoves.empty()
         reason = np.full(len(missing), DEMAND, dtype=np.int8)
         if len(missing) and self.config.prefetch_pages and self._frozen[local].any():
             # M14: the first pages of a cold expert come as one prefetch, the rest on demand.
@@ -421,6 +424,9 @@ class RankPager:
         """Load host pages, in order, into free slots above the reserve only."""
         spare = max(0, self.free_slots - self.reserve_slots)
         return self._load(pages[:spare], HOST, reason, step)
+
+    def _reserve_short(self) -> bool:
+        return self.reserve_slots > 0 and self.free_slots < self.reserve_slots
 
     def _emergency(self) -> PageMoves:
         """M15: while fewer than ``reserve`` budget slots are free, evict in order."""

@@ -147,6 +147,7 @@ class ComputeFigures:
     peak_tflops: PeakTflops = _section(PeakTflops, "matmul ceilings per dtype")
     efficiency: Efficiency = _section(Efficiency, "expert GEMM efficiency curves")
     memory_GBps: float = _num("device memory bandwidth, bytes read + written per s / 1e9")
+    device_memory_GB: float = _num("device memory of one GPU (one CPU rank's share on CPU), 1e9 bytes")
     launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", _non_negative)
 
     def peak(self, dtype: str) -> float:
@@ -196,7 +197,9 @@ class CollectiveFigures:
     algorithm: Algorithms = _section(Algorithms, "algorithm per collective kind")
     latency_us: float = _num("fixed software cost of one collective call, us", _non_negative)
     group_create_ms: float = _num("creating a new communicator for an uncached group (M10), ms", _non_negative)
+    group_create_scope: str = _text("who pays for a new communicator: members (NCCL) or all ranks (torch new_group on gloo)", ("members", "all"))
     discovery_us: float = _num("one active-group discovery round on a cache miss (M10), us", _non_negative)
+    communicator_MiB: float = _num("device memory one communicator holds on each member (M10), MiB", _non_negative)
 
 
 @dataclass(frozen=True)

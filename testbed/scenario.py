@@ -227,6 +227,7 @@ class SimConfig:
 
     network_model: str = doc("flow (max-min fair), analytic (bottleneck link), or auto", "auto", choices=("auto", "flow", "analytic"))
     flow_max_gpus: int = doc("auto picks the flow model up to this many GPUs", 64, check=positive)
+    expert_kernel: str = doc("expert GEMMs as one grouped kernel or a per-expert loop (efficiency curves of the profile)", "grouped", choices=("grouped", "loop"))
 
 
 @dataclass

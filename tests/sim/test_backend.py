@@ -70,7 +70,7 @@ def test_a_slower_spine_slows_the_step(tmp_path, monkeypatch):
         f.set_capacity("spine", 0.05)
         return f
 
-    monkeypatch.setattr("sim.engine.build_fabric", degraded)
+    monkeypatch.setattr("sim.backend.build_fabric", degraded)
     slow = run_scenario(quick(tmp_path, run={"seed": 1}), "sim")["step_time_s"]
     monkeypatch.undo()
     same_seed = run_scenario(quick(tmp_path, run={"seed": 1}), "sim")["step_time_s"]
@@ -80,8 +80,15 @@ def test_a_slower_spine_slows_the_step(tmp_path, monkeypatch):
 def test_trace_is_chrome_trace_json(tmp_path):
     summary = run_scenario(quick(tmp_path), "sim")
     with open(f"{summary['run_dir']}/trace.json") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"]
-    assert events and all(e["ph"] == "X" and e["dur"] > 0 and {"pid", "tid", "ts", "name"} <= set(e) for e in events)
-    assert {e["tid"] for e in events} <= {"compute", "comm", "copy"}
-    assert np.isfinite([e["ts"] for e in events]).all()
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    counters = [e for e in events if e["ph"] == "C"]
+    names = [e for e in events if e["ph"] == "M"]
+    assert spans and all(e["dur"] > 0 and {"pid", "tid", "ts", "name"} <= set(e) for e in spans)
+    assert {e["tid"] for e in spans} <= {"compute", "comm", "copy", "sync"}
+    assert np.isfinite([e["ts"] for e in events if "ts" in e]).all()
+    links = [e for e in counters if e["name"] == "link utilization"]
+    assert links and all(set(e["args"]) == {"nvlink", "leaf", "spine"} for e in links)
+    assert max(e["args"]["leaf"] for e in links) > 0 and all(0 <= v <= 1.0001 for e in links for v in e["args"].values())
+    assert any(e["name"] == "memory" and e["args"]["GiB"] > 0 for e in counters)
+    assert {e["args"]["name"] for e in names} >= {"GPU 0", "fabric"}

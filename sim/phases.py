@@ -1,0 +1,286 @@
+"""A step as phases: the controller's decisions as timed work on each GPU's streams.
+
+A ``Phase`` is one piece of work every rank does at the same point of the step, with
+per-rank sizes: a compute kernel (``seconds[r]``), a batch of concurrent collectives
+(``ops``; a rank takes part in those it is a member of), page copies over its PCIe link
+(``h2d[r]``, ``d2h[r]`` bytes, ``pages[r]``), or a wait (creating communicators). It runs
+on one stream of the GPU (``compute``, ``comm``, ``copy``, ``sync``) after the phases
+it depends on (``deps``, indices of earlier phases, per rank) and after the previous
+phase of its stream. Without overlap every phase depends on the one before it, so a
+rank works in the order the real backend does:
+
+forward, per layer:  route, counts all-gather, replica refreshes, page loads, dispatch,
+                     experts, combine
+backward, per layer: combine_backward, page reloads, experts_backward,
+                     dispatch_backward, route_backward
+then:                communicator creation, expert_sync, dense_sync, optimizer, heat, paging
+
+Overlap (M22): with ``overlap.micro_batches = n > 1`` the token exchange and the experts
+of a layer (forward and backward) run as n micro-batches, the collectives on the comm
+stream and the experts on the compute stream, so one micro-batch's all-to-all overlaps
+another's experts; ``overlap.sync_with_backward`` puts a layer's gradient sync on the
+sync stream as soon as its backward is done; page loads go on the copy stream,
+overlapping the dispatch, when the profile says copies overlap compute
+(``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``) are already in the ops'
+bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+
+import numpy as np
+
+from testbed.collectives import CollectiveOp
+from testbed.controller import LayerBackward, LayerForward, StepEnd, SyncPlan
+from testbed.page_moves import GPU, HOST
+from testbed.pager_pool import MovesByRank
+from testbed.scenario import Scenario
+from testbed.topology import Layout
+
+from sim.compute import ComputeModel
+
+
+@dataclass(eq=False)
+class Phase:
+    stage: str
+    layer: int  # -1: not a layer's
+    kind: str  # compute | ops | copy | wait
+    stream: str  # compute | comm | copy | sync
+    deps: tuple[int, ...]
+    seconds: np.ndarray | None = None  # [W] compute / wait
+    ops: list[CollectiveOp] | None = None  # run concurrently
+    h2d: np.ndarray | None = None  # [W] bytes host -> device
+    d2h: np.ndarray | None = None  # [W] bytes device -> host
+    pages: np.ndarray | None = None  # [W] pages copied
+    waits_for_pages: int = -1  # index of the copy phase this one waits for (stall accounting)
+    mem_delta: np.ndarray | None = None  # [W] bytes allocated (+) or freed (-) when it ends
+    mem_transient: np.ndarray | None = None  # [W] bytes held only while it runs (comm buffers)
+
+
+@dataclass
+class StepDecisions:
+    """Everything the controller decided for one step."""
+
+    forward: list[LayerForward]
+    backward: dict[int, LayerBackward]
+    sync: SyncPlan
+    end: StepEnd
+
+
+def batches(ops: list[CollectiveOp]) -> list[list[CollectiveOp]]:
+    """Consecutive ops of one (layer, batch) run together."""
+    return [list(g) for _, g in groupby(ops, key=lambda o: (o.layer, o.batch))]
+
+
+def split_op(op: CollectiveOp, n: int, i: int) -> CollectiveOp:
+    """Micro-batch ``i`` of ``n`` of an op: an n-th of its bytes (remainders to the first)."""
+    if op.kind == "all_to_all_v":
+        base, rem = np.divmod(op.matrix, n)
+        return CollectiveOp(op.kind, op.members, op.stage, op.layer, matrix=base + (rem > i),
+                            batch=op.batch, stream=op.stream, label=op.label)
+    size = op.size // n + (op.size % n > i)
+    return CollectiveOp(op.kind, op.members, op.stage, op.layer, size=size, batch=op.batch,
+                        stream=op.stream, label=op.label)
+
+
+def page_copy(moves: MovesByRank, world: int):
+    """(h2d bytes, d2h bytes, pages copied, GPU slots taken (+) or freed (-)) per rank."""
+    h2d, d2h = np.zeros(world), np.zeros(world)
+    pages, slots = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+    for ranks, m in moves.groups():  # every rank of a group moved the same pages
+        load = (m.src == HOST) & (m.dst == GPU)
+        out = (m.src == GPU) & (m.dst == HOST) & (m.nbytes > 0)
+        h2d[ranks] += m.nbytes[load].sum()
+        d2h[ranks] += m.nbytes[out].sum()
+        pages[ranks] += int(load.sum() + out.sum())
+        slots[ranks] += int((m.dst == GPU).sum() - ((m.src == GPU) & (m.dst != GPU)).sum())
+    return h2d, d2h, pages, slots
+
+
+def buffer_bytes(ops: list[CollectiveOp], world: int) -> np.ndarray:
+    """[W] send + receive buffer bytes each rank holds while ``ops`` run."""
+    out = np.zeros(world)
+    for op in ops:
+        m = np.asarray(op.members)
+        if op.kind == "all_to_all_v":
+            out[m] += op.matrix.sum(axis=1) + op.matrix.sum(axis=0)
+        elif op.kind == "all_gather":
+            out[m] += op.size * (1 + len(m))
+        elif op.kind == "reduce_scatter":
+            out[m] += op.size * (1 + 1 / len(m))
+        else:  # all_reduce in place, p2p one buffer
+            out[m] += op.size
+    return out
+
+
+class PhaseBuilder:
+    """Builds the phases of one step from the controller's decisions.
+
+    Memory per GPU (bytes) is annotated on the phases: page slots taken and freed by the
+    copies; activations saved by a layer's forward (its input, and per expert row the
+    expert input, pre-activation and output) until its backward is done; expert and
+    router gradients from the backward to the optimizer; send and receive buffers while
+    collectives run. Plain SGD keeps no optimizer state.
+    """
+
+    def __init__(self, scenario: Scenario, layout: Layout, compute: ComputeModel,
+                 group_create_s: float, copies_overlap: bool, create_on_all_ranks: bool = True):
+        self.s, self.layout, self.compute = scenario, layout, compute
+        self.group_create_s = group_create_s
+        self.create_on_all_ranks = create_on_all_ranks
+        self.copies_overlap = copies_overlap
+        m, w = scenario.model, layout.world
+        self.page_bytes = scenario.pager.page_size_bytes
+        self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
+        self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
+        self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
+
+    # ---- sizes ------------------------------------------------------------------------------
+    def expert_rows(self, fwd: LayerForward) -> np.ndarray:
+        """[W, E/P] rows each local expert computes: kept slots of the rank's EP group."""
+        per_group = fwd.kept[self.layout.rank_of].sum(axis=1)  # [R, E]
+        return np.take_along_axis(per_group[self.layout.group_of], self.local, axis=1)
+
+    def expert_seconds(self, rows: np.ndarray, backward: bool) -> np.ndarray:
+        m = self.s.model
+        return self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
+
+    def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
+        m = self.s.model
+        per_row = 2 * m.hidden_size + m.ffn_hidden_size
+        return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
+
+    # ---- building ---------------------------------------------------------------------------
+    def build(self, d: StepDecisions) -> list[Phase]:
+        self.phases: list[Phase] = []
+        self.main = -1  # last phase of the in-order chain
+        s, m, w = self.s, self.s.model, self.layout.world
+        n = s.overlap.micro_batches
+        rows = {f.layer: self.expert_rows(f) for f in d.forward}
+        act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
+        grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes for layer, r in rows.items()}
+        for f in d.forward:
+            self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
+            self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
+            self.chain("paging", f.layer, "ops", "comm", ops=f.refresh_ops)
+            copy = self.copy_phase(f.layer, f.page_moves)
+            self.exchange(f.layer, ("dispatch", f.dispatch_ops),
+                          ("experts", self.expert_seconds(rows[f.layer], False), act[f.layer]),
+                          ("combine", f.combine_ops), n, copy)
+        sync_phases: list[int] = []
+        overlap_sync = s.overlap.sync_with_backward
+        creating = self.creation_seconds(d.sync)
+        if overlap_sync and creating.any():  # communicators can be made once the forward knows A_e
+            sync_phases.append(self.add("expert_sync", -1, "wait", "sync", (self.main,), seconds=creating))
+        for layer in reversed(range(m.num_layers)):
+            b = d.backward[layer]
+            copy = self.copy_phase(layer, b.page_moves)
+            self.exchange(layer, ("combine_backward", b.combine_backward_ops),
+                          ("experts_backward", self.expert_seconds(rows[layer], True), grads[layer]),
+                          ("dispatch_backward", b.dispatch_backward_ops), n, copy)
+            self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
+                       mem_delta=self.router_grad_bytes - act[layer])
+            if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
+                for stage, ops in (("expert_sync", d.sync.expert_sync_ops), ("dense_sync", d.sync.dense_sync_ops)):
+                    for batch in batches([op for op in ops if op.layer == layer]):
+                        deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
+                        sync_phases.append(self.add(stage, layer, "ops", "sync", deps, ops=batch,
+                                                    mem_transient=buffer_bytes(batch, w)))
+        if not overlap_sync:
+            if creating.any():
+                self.chain("expert_sync", -1, "wait", "comm", seconds=creating)
+            for batch in batches(d.sync.expert_sync_ops):
+                self.chain("expert_sync", batch[0].layer, "ops", "comm", ops=batch)
+            for batch in batches(d.sync.dense_sync_ops):
+                self.chain("dense_sync", batch[0].layer, "ops", "comm", ops=batch)
+        updated = np.zeros(w)
+        for r, inst in d.sync.updated.items():
+            updated[r] = len(inst) * m.expert_bytes
+        opt = np.array([self.compute.optimizer_time(b + self.router_grad_bytes * m.num_layers) for b in updated])
+        deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
+        all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
+        self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
+        if d.end.heat is not None:
+            heat_s = self.compute.heat_update_time(m.num_layers * m.num_experts)
+            self.chain("heat", -1, "compute", "compute", seconds=np.full(w, heat_s))
+        self.copy_phase(-1, MovesByRank.concat([d.sync.page_moves, d.end.page_moves]))
+        return self.phases
+
+    def creation_seconds(self, sync: SyncPlan) -> np.ndarray:
+        """[W] seconds each rank spends creating the communicators the group cache missed
+        (M10): all of them on every rank (torch new_group on gloo) or only those it is a
+        member of (NCCL), as the profile says."""
+        w = self.layout.world
+        created = sync.cache.created if sync.cache else []
+        if self.create_on_all_ranks:
+            return np.full(w, len(created) * self.group_create_s)
+        count = np.zeros(w)
+        for members in created:
+            count[list(members)] += 1
+        return count * self.group_create_s
+
+    def add(self, stage, layer, kind, stream, deps, **data) -> int:
+        if kind == "ops" and "mem_transient" not in data:
+            data["mem_transient"] = buffer_bytes(data["ops"], self.layout.world)
+        self.phases.append(Phase(stage, layer, kind, stream, tuple(x for x in deps if x >= 0), **data))
+        return len(self.phases) - 1
+
+    def chain(self, stage, layer, kind, stream, **data) -> int:
+        """A phase after the previous one of the in-order chain; it becomes the chain's end.
+        Empty op batches are left out."""
+        if kind == "ops" and not data.get("ops"):
+            return self.main
+        self.main = self.add(stage, layer, kind, stream, (self.main,), **data)
+        return self.main
+
+    def copy_phase(self, layer: int, moves: MovesByRank) -> int:
+        """Page moves of a layer (or the step's end): on the copy stream beside the
+        dispatch when copies overlap compute on this machine, else in the chain.
+        Returns the phase, or -1 when the moves copy nothing and free no slot."""
+        h2d, d2h, pages, slots = page_copy(moves, self.layout.world)
+        if not pages.any() and not slots.any():
+            return -1
+        data = dict(h2d=h2d, d2h=d2h, pages=pages, mem_delta=slots * self.page_bytes)
+        if self.copies_overlap and layer >= 0:
+            return self.add("paging", layer, "copy", "copy", (self.main,), **data)
+        return self.chain("paging", layer, "copy", "copy", **data)
+
+    def exchange(self, layer, before, experts, after, n, copy):
+        """Token exchange -> experts -> token exchange, in n micro-batches (M22 when n > 1).
+
+        Micro-batch i's experts wait for its first exchange (and the page loads); the comm
+        stream runs B1, B2, A1, B3, A2, ... so the exchanges of one micro-batch overlap
+        the experts of the previous one. ``experts`` = (stage, seconds [W], bytes the
+        experts leave allocated [W]).
+        """
+        (b_stage, b_ops), (x_stage, x_seconds, x_mem), (a_stage, a_ops) = before, experts, after
+        if n == 1:
+            for batch in batches(b_ops):
+                self.chain(b_stage, layer, "ops", "comm", ops=batch)
+            self.main = self.add(x_stage, layer, "compute", "compute", (self.main, copy),
+                                 seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy)
+            for batch in batches(a_ops):
+                self.chain(a_stage, layer, "ops", "comm", ops=batch)
+            return
+        start = self.main
+        comm_last, x_last = start, start
+        b_end = [None] * n
+
+        def comm(stage, ops, i, extra_dep):
+            nonlocal comm_last
+            for batch in batches([split_op(op, n, i) for op in ops]):
+                comm_last = self.add(stage, layer, "ops", "comm", (comm_last, extra_dep), ops=batch)
+            return comm_last
+
+        for i in range(n + 1):
+            if i < n:
+                b_end[i] = comm(b_stage, b_ops, i, start)
+            if i >= 1:
+                j = i - 1
+                x_last = self.add(x_stage, layer, "compute", "compute", (b_end[j], x_last, copy),
+                                  seconds=x_seconds / n, mem_delta=x_mem / n,
+                                  waits_for_pages=copy if j == 0 else -1)
+                comm(a_stage, a_ops, j, x_last)
+        self.main = comm_last

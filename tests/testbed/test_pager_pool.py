@@ -1,0 +1,56 @@
+"""The pager pool answers exactly what one pager per GPU would, while sharing pagers
+between GPUs in the same state."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.heat import COLD, WARM
+from testbed.pager import RankPager
+from testbed.pager_pool import PagerPool
+from testbed.scenario import PagerConfig
+
+RANKS = [0, 3, 5, 6]
+N = 6  # expert replicas per GPU
+CFG = PagerConfig(page_size_bytes=16, gpu_budget_bytes=16 * 9, cold_consecutive_updates=1, prefetch_pages=1)
+
+
+def local_of(rank):
+    return np.arange(N) * 10 + rank  # different ids per GPU, same positions
+
+
+call = st.one_of(
+    st.tuples(st.just("access"), st.lists(st.lists(st.integers(0, N - 1), max_size=3), min_size=4, max_size=4)),
+    st.tuples(st.just("apply_update"), st.lists(st.lists(st.integers(0, N - 1), max_size=4), min_size=4, max_size=4)),
+    st.tuples(st.just("heat_update"), st.lists(st.lists(st.booleans(), min_size=N, max_size=N), min_size=4, max_size=4)),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(history=st.lists(call, max_size=20), shared=st.booleans())
+def test_pool_equals_one_pager_per_gpu(history, shared):
+    local = np.stack([local_of(r) for r in RANKS])
+    pool = PagerPool(RANKS, local, 40, CFG)
+    alone = {r: RankPager(r, local_of(r), 40, CFG) for r in RANKS}
+    for step, (method, per_rank) in enumerate(history):
+        if shared:  # everyone told the same thing: one pager must serve all
+            per_rank = [per_rank[0]] * 4
+        if method == "heat_update":
+            args = {r: (np.array(b), np.where(b, COLD, WARM), np.zeros(N, bool)) for r, b in zip(RANKS, per_rank)}
+        else:
+            args = {r: (local_of(r)[sorted(set(x))],) for r, x in zip(RANKS, per_rank)}
+        common = () if method == "apply_update" else (step,)
+        got = pool.call(method, args, *common)
+        for r in RANKS:
+            want = getattr(alone[r], method)(*args[r], *common)
+            have = got[r]
+            for name in ("rank", "expert", "page", "slot", "src", "dst", "nbytes", "reason"):
+                assert np.array_equal(getattr(have, name), getattr(want, name)), (method, r, name)
+        if method == "access":
+            pool.call_all("end_step")
+            for p in alone.values():
+                p.end_step()
+        for r in RANKS:
+            assert pool.pager_of(r).used_slots == alone[r].used_slots
+    if shared:
+        assert pool.classes == 1
