@@ -153,7 +153,7 @@ class SimBackend:
             record = _record(step, sim, d, fig, faults)
             records.append(record)
             layer_times.append(fig.layer_time_s)
-            trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, base, level_capacity)
+            trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity)
             if on_step:
                 on_step(record)
             bar.update(note=f"simulated step {record.step_time_s * 1e3:.2f} ms")

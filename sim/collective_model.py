@@ -43,8 +43,26 @@ class Flows(NamedTuple):
     fixed_latency_s: float
 
 
+class Atom(NamedTuple):
+    """One ring / direct collective inside an op's algorithm (bytes as in CollectiveOp)."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all_v | p2p (ring or direct)
+    members: tuple[int, ...]
+    size: float
+    matrix: np.ndarray | None = None
+
+
 class CollectiveModel:
-    """Times ``CollectiveOp``s on a ``Network`` with a profile's algorithms and latencies."""
+    """Times ``CollectiveOp``s on a ``Network`` with a profile's algorithms and latencies.
+
+    ``stages(op)``: the op as sequential stages of concurrent ring or direct *atoms*.
+    Ring and direct algorithms are one stage of one atom; ``hierarchical`` algorithms
+    (members on several nodes, the same number on each) are, with g members per node:
+    all-reduce = reduce-scatter in each node (S), all-reduce across nodes among members
+    of the same position (S/g), all-gather in each node (S/g each); all-gather = across
+    nodes (n), then in each node (n x nodes); reduce-scatter = in each node (S), then
+    across nodes (S/g). Elsewhere they fall back to the ring.
+    """
 
     def __init__(self, network: Network, profile: MachineProfile):
         self.network = network
@@ -58,50 +76,93 @@ class CollectiveModel:
         return "direct" if kind == "p2p" else getattr(self.profile.collectives.algorithm, kind)
 
     def flows_for(self, op: CollectiveOp) -> Flows:
-        """The flows and fixed latency of ``op`` (module doc). Single-member ops: none."""
-        m = np.asarray(op.members, dtype=np.int64)
+        """The flows of a single-stage op (ring or direct; module doc). Single-member ops: none."""
+        stages = self.stages(op)
+        if len(stages) != 1 or len(stages[0]) != 1:
+            raise ValueError("flows_for: a hierarchical op has several stages; use stages()")
+        return self.atom_flows(stages[0][0])
+
+    def wire_bytes_on_fabric(self, op: CollectiveOp) -> int:
+        """Bytes this profile's algorithm sends between ranks (>= ``op.wire_bytes`` for ring)."""
+        return int(round(sum(float(self.atom_flows(a).nbytes.sum()) for st in self.stages(op) for a in st)))
+
+    def stages(self, op: CollectiveOp) -> list[list[Atom]]:
+        """The op's algorithm as sequential stages of concurrent atoms (class doc)."""
+        kind = op.kind
+        if kind == "reduce_scatter" and self.algorithm(kind) == "all_reduce":
+            kind = "all_reduce"  # gloo: the full tensor is all-reduced
+        if kind in ("all_reduce", "all_gather", "reduce_scatter") and self.algorithm(op.kind) == "hierarchical":
+            grid = self._node_grid(op.members)
+            if grid is not None:
+                return self._hierarchical(kind, grid, op.size)
+        return [[Atom(kind, op.members, op.size, op.matrix)]]
+
+    def _node_grid(self, members) -> np.ndarray | None:
+        """Members as (nodes x per node), or None when the algorithm has no two levels."""
+        m = np.asarray(members)
+        node = m // self.fabric.gpus_per_node
+        nodes, counts = np.unique(node, return_counts=True)
+        if len(nodes) < 2 or counts[0] < 2 or (counts != counts[0]).any():
+            return None
+        return m[np.lexsort((m, node))].reshape(len(nodes), counts[0])
+
+    @staticmethod
+    def _hierarchical(kind: str, grid: np.ndarray, size: float) -> list[list[Atom]]:
+        a, g = grid.shape
+        rows = [tuple(int(x) for x in grid[i]) for i in range(a)]
+        cols = [tuple(int(x) for x in grid[:, j]) for j in range(g)]
+        if kind == "all_reduce":
+            return [[Atom("reduce_scatter", r, size) for r in rows],
+                    [Atom("all_reduce", c, size / g) for c in cols],
+                    [Atom("all_gather", r, size / g) for r in rows]]
+        if kind == "all_gather":
+            return [[Atom("all_gather", c, size) for c in cols], [Atom("all_gather", r, size * a) for r in rows]]
+        return [[Atom("reduce_scatter", r, size) for r in rows], [Atom("reduce_scatter", c, size / g) for c in cols]]
+
+    def atom_flows(self, atom: Atom) -> Flows:
+        """Flows of one ring or direct atom (the decomposition of the module doc)."""
+        m = np.asarray(atom.members, dtype=np.int64)
         p = len(m)
         empty = Flows(m[:0], m[:0], np.zeros(0), 0.0)
-        if op.kind == "all_to_all_v":
-            mat = np.asarray(op.matrix, dtype=np.float64)
+        if atom.kind == "all_to_all_v":
+            mat = np.asarray(atom.matrix, dtype=np.float64)
             i, j = np.nonzero(mat)
             keep = i != j
             src, dst, nbytes = m[i[keep]], m[j[keep]], mat[i[keep], j[keep]]
             if len(src) == 0:
                 return empty if p < 2 else Flows(src, dst, nbytes, self.call_latency)
-            lat = float(self.fabric.paths(src, dst).latency.max())
-            return Flows(src, dst, nbytes, self.call_latency + lat)
-        if op.kind == "p2p":
+            return Flows(src, dst, nbytes, self.call_latency + float(self.fabric.paths(src, dst).latency.max()))
+        if atom.kind == "p2p":
             if m[0] == m[1]:
                 return empty
             lat = float(self.fabric.paths(m[:1], m[1:2]).latency[0])
-            return Flows(m[:1], m[1:2], np.array([float(op.size)]), self.call_latency + lat)
+            return Flows(m[:1], m[1:2], np.array([float(atom.size)]), self.call_latency + lat)
         if p < 2:
             return empty
-        kind = "all_reduce" if op.kind == "reduce_scatter" and self.algorithm(op.kind) == "all_reduce" else op.kind
-        per_flow, steps = {  # bytes per ring flow, sequential hops of the ring algorithm
-            "all_reduce": (2 * (p - 1) / p * op.size, 2 * (p - 1)),
-            "all_gather": ((p - 1) * op.size, p - 1),
-            "reduce_scatter": ((p - 1) / p * op.size, p - 1),
-        }[kind]
+        per_flow, steps = ring_share(atom.kind, p, atom.size)
         src, dst = m, np.roll(m, -1)
         hop = float(self.fabric.paths(src, dst).latency.max())  # the ring runs at its slowest hop
         return Flows(src, dst, np.full(p, float(per_flow)), self.call_latency + steps * hop)
-
-    def wire_bytes_on_fabric(self, op: CollectiveOp) -> int:
-        """Bytes this profile's algorithm sends between ranks (>= ``op.wire_bytes``)."""
-        return int(round(float(self.flows_for(op).nbytes.sum())))
 
     def run(self, op: CollectiveOp) -> simpy.Process:
         """A process that takes the op's simulated time; ``yield model.run(op)``."""
         return self.env.process(self._run(op))
 
     def _run(self, op: CollectiveOp):
-        flows = self.flows_for(op)
-        if flows.fixed_latency_s > 0:
-            yield self.env.timeout(flows.fixed_latency_s)
-        yield self.network.start_flows(flows.src, flows.dst, flows.nbytes, tag=op.stage,
-                                       path_latency=False)
+        for stage in self.stages(op):
+            flows = [self.atom_flows(a) for a in stage]
+            latency = max((f.fixed_latency_s for f in flows), default=0.0)
+            if latency > 0:
+                yield self.env.timeout(latency)
+            yield simpy.AllOf(self.env, [self.network.start_flows(f.src, f.dst, f.nbytes, tag=op.stage,
+                                                                  path_latency=False) for f in flows])
+
+
+def ring_share(kind: str, p: int, size: float) -> tuple[float, int]:
+    """(bytes per ring flow, sequential hops) of a ring all-reduce / all-gather / reduce-scatter."""
+    return {"all_reduce": (2 * (p - 1) / p * size, 2 * (p - 1)),
+            "all_gather": ((p - 1) * size, p - 1),
+            "reduce_scatter": ((p - 1) / p * size, p - 1)}[kind]
 
 
 class _Pattern(NamedTuple):
@@ -144,34 +205,52 @@ class AnalyticTimer:
         return pat
 
     def seconds(self, op: CollectiveOp) -> float:
-        """Seconds ``op`` takes alone on the fabric (fixed latency + bottleneck link)."""
+        """Seconds ``op`` takes alone on the fabric: per stage of its algorithm, the largest
+        fixed latency of its atoms plus the bottleneck link of their flows together."""
+        total = 0.0
+        for stage in self.model.stages(op):
+            load = None
+            fixed = 0.0
+            for atom in stage:
+                got = self._atom_load(atom)
+                if got is None:
+                    continue
+                atom_fixed, atom_load = got
+                fixed = max(fixed, atom_fixed)
+                if atom_load is not None:
+                    load = atom_load if load is None else load + atom_load
+            if load is None:
+                total += fixed
+                continue
+            busy = load / self.fabric.capacity.clip(min=1e-300)
+            self.stats.bytes_by_edge += load
+            self.stats.busy_by_edge += busy
+            total += fixed + float(busy.max())
+        return total
+
+    def _atom_load(self, atom: Atom):
+        """(fixed latency s, bytes per fabric edge) of one atom; None when it moves nothing."""
         model = self.model
-        p = len(op.members)
-        if op.kind == "p2p" and op.members[0] == op.members[1]:
-            return 0.0
-        if op.kind not in ("all_to_all_v", "p2p") and p < 2:
-            return 0.0
-        kind = op.kind
-        if kind == "reduce_scatter" and model.algorithm(kind) == "all_reduce":
-            kind = "all_reduce"
-        pat = self._pattern("ring" if kind in ("all_reduce", "all_gather", "reduce_scatter") else kind, op.members)
-        if kind == "all_to_all_v":
-            nbytes = np.asarray(op.matrix, dtype=np.float64)[pat.i, pat.j]
+        p = len(atom.members)
+        if atom.kind == "p2p":
+            if atom.members[0] == atom.members[1]:
+                return None
+        elif atom.kind != "all_to_all_v" and p < 2:
+            return None
+        ring = atom.kind in ("all_reduce", "all_gather", "reduce_scatter")
+        pat = self._pattern("ring" if ring else atom.kind, atom.members)
+        if atom.kind == "all_to_all_v":
+            nbytes = np.asarray(atom.matrix, dtype=np.float64)[pat.i, pat.j]
             used = nbytes > 0
             if not used.any():
-                return model.call_latency
+                return model.call_latency, None  # the call costs its latency, moves nothing
             fixed = model.call_latency + float(pat.latency[used].max())
-        elif kind == "p2p":
-            nbytes = np.array([float(op.size)])
+        elif atom.kind == "p2p":
+            nbytes = np.array([float(atom.size)])
             fixed = model.call_latency + float(pat.latency[0])
         else:
-            per_flow, steps = {"all_reduce": (2 * (p - 1) / p * op.size, 2 * (p - 1)),
-                               "all_gather": ((p - 1) * op.size, p - 1),
-                               "reduce_scatter": ((p - 1) / p * op.size, p - 1)}[kind]
+            per_flow, steps = ring_share(atom.kind, p, atom.size)
             nbytes = np.full(p, float(per_flow))
             fixed = model.call_latency + steps * float(pat.latency.max())
         load = np.bincount(pat.edges, weights=np.repeat(nbytes, pat.hops), minlength=self.fabric.num_edges)
-        busy = load / self.fabric.capacity.clip(min=1e-300)
-        self.stats.bytes_by_edge += load
-        self.stats.busy_by_edge += busy
-        return fixed + float(busy.max())
+        return fixed, load

@@ -37,18 +37,16 @@ class StepFigures:
     page_stall_s: float
     peak_memory_bytes: int
     peak_memory_by_rank: np.ndarray
+    memory: np.ndarray  # [P, W] bytes held during each phase
 
 
 def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_layers: int) -> StepFigures:
     busy = tl.end - tl.start  # [P, W]
     world = busy.shape[1]
     stage_idx = np.array([STAGES.index(ph.stage) for ph in phases])
-    by_stage = np.zeros((len(STAGES), world))
-    np.add.at(by_stage, stage_idx, busy)
+    by_stage = _one_hot(stage_idx, len(STAGES)) @ busy  # [stages, W]
     layer_idx = np.array([ph.layer for ph in phases])
-    by_layer = np.zeros((num_layers, world))
-    per_layer = layer_idx >= 0
-    np.add.at(by_layer, layer_idx[per_layer], busy[per_layer])
+    by_layer = _one_hot(layer_idx, num_layers) @ busy  # phases of no layer (-1) count nowhere
     compute = np.array([ph.kind == "compute" for ph in phases])
     rank_time = tl.end.max(axis=0) - tl.t0
     exposed = rank_time - busy[compute].sum(axis=0)
@@ -66,8 +64,16 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
         layer_time_s=[float(v) for v in by_layer.mean(axis=1)],
         exposed_s_mean=float(exposed.mean()), exposed_s_max=float(exposed.max()),
         page_stall_s=float(stall.mean()),
-        peak_memory_bytes=int(peak.max()), peak_memory_by_rank=peak,
+        peak_memory_bytes=int(peak.max()), peak_memory_by_rank=peak, memory=memory,
     )
+
+
+def _one_hot(index: np.ndarray, n: int) -> np.ndarray:
+    """[n, len(index)] matrix with a 1 at (index[p], p); negative indices match nothing."""
+    out = np.zeros((n, len(index)))
+    ok = index >= 0
+    out[index[ok], np.flatnonzero(ok)] = 1.0
+    return out
 
 
 def memory_timeline(phases: list[Phase], base: np.ndarray) -> np.ndarray:
@@ -86,7 +92,7 @@ def memory_timeline(phases: list[Phase], base: np.ndarray) -> np.ndarray:
 
 
 def trace_events(step: int, phases: list[Phase], tl: Timeline, layout: Layout, trace_ranks: int,
-                 base_memory: np.ndarray, level_capacity: np.ndarray) -> list[dict]:
+                 memory: np.ndarray, level_capacity: np.ndarray) -> list[dict]:
     """Chrome trace events of one step (seconds -> microseconds)."""
     events = []
     shown = range(min(trace_ranks, tl.start.shape[1]))
@@ -97,7 +103,6 @@ def trace_events(step: int, phases: list[Phase], tl: Timeline, layout: Layout, t
             if e > s:
                 events.append({"name": ph.stage, "ph": "X", "pid": r, "tid": ph.stream, "ts": s * us,
                                "dur": (e - s) * us, "args": {"step": step, "layer": ph.layer, "kind": ph.kind}})
-    memory = memory_timeline(phases, base_memory)
     for r in shown:
         for p in range(len(phases)):
             events.append({"name": "memory", "ph": "C", "pid": r, "ts": tl.end[p, r] * us,

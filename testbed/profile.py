@@ -40,9 +40,9 @@ BUILTIN_DIR = Path(__file__).parent / "profiles"
 BUILTINS = ("local-cpu", "a100-seed", "h200")
 #: algorithms the simulator can time, per collective kind (first = standard)
 ALGORITHMS = {
-    "all_reduce": ("ring",),
-    "reduce_scatter": ("ring", "all_reduce"),  # all_reduce: gloo reduces the full tensor
-    "all_gather": ("ring",),
+    "all_reduce": ("ring", "hierarchical"),
+    "reduce_scatter": ("ring", "all_reduce", "hierarchical"),  # all_reduce: gloo reduces the full tensor
+    "all_gather": ("ring", "hierarchical"),
     "all_to_all_v": ("direct",),
 }
 MiB = 2**20
@@ -184,9 +184,9 @@ class CopyFigures:
 class Algorithms:
     """Algorithm the communication library runs for each collective kind."""
 
-    all_reduce: str = _text("ring", ALGORITHMS["all_reduce"])
-    reduce_scatter: str = _text("ring, or all_reduce (the library all-reduces the full tensor: gloo)", ALGORITHMS["reduce_scatter"])
-    all_gather: str = _text("ring", ALGORITHMS["all_gather"])
+    all_reduce: str = _text("ring, or hierarchical (reduce-scatter in each node, all-reduce across nodes, all-gather in each node)", ALGORITHMS["all_reduce"])
+    reduce_scatter: str = _text("ring, all_reduce (the library all-reduces the full tensor: gloo), or hierarchical (in each node, then across)", ALGORITHMS["reduce_scatter"])
+    all_gather: str = _text("ring, or hierarchical (across nodes, then in each node)", ALGORITHMS["all_gather"])
     all_to_all_v: str = _text("direct (one message per pair)", ALGORITHMS["all_to_all_v"])
 
 
