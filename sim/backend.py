@@ -86,6 +86,7 @@ class ClusterSim:
         self.faults = Faults(s, self.fabric)
         self.copy_latency = profile.copy.latency_us * 1e-6
         self.clock = 0.0
+        self.events = 0  # phase executions per rank + collective ops: the work simulated
         self.fixed_groups = self._fixed_groups()
 
     def _fixed_groups(self) -> np.ndarray:
@@ -131,6 +132,7 @@ class ClusterSim:
             tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency)
         fig = figures(phases, tl, base, self.s.model.num_layers)
         self.clock = tl.t0 + fig.step_time_s
+        self.events += len(phases) * world + len(tl.ops)
         return decisions, phases, tl, fig, faults, base
 
 
@@ -172,6 +174,7 @@ class SimBackend:
             "fits_in_device_memory": max(r.peak_memory_bytes for r in records) <= profile.compute.device_memory_GB * 1e9,
             "faults": [f.to_dict() for f in sim.faults.outcomes],
             "fault_time_lost_s": sum(f.time_lost_s for f in sim.faults.outcomes),
+            "sim_events": sim.events,
             "wall_time_s": time.perf_counter() - wall0,
         }
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)

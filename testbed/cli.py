@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from testbed.errors import run_as_command
 from testbed.scenario import field_docs
@@ -33,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override one scenario field (repeatable)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     run.add_argument("--no-progress", action="store_true", help="do not show progress on stderr")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a stopped real run from its latest complete checkpoint (M23), in that "
+                          "folder; without CONFIG its scenario.toml is used")
     run.set_defaults(func=_cmd_run)
 
     rep = sub.add_parser("report", help="compare runs in one self-contained HTML page")
@@ -53,8 +57,13 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_run(args) -> int:
     from testbed.runner import run_scenario
 
-    scenario = load_scenario(args.config, args.overrides)
-    summary = run_scenario(scenario, args.backend, progress=not args.no_progress)
+    config = args.config
+    if config is None and args.resume:
+        config = str(Path(args.resume) / "scenario.toml")
+    scenario = load_scenario(config, args.overrides)
+    summary = run_scenario(scenario, args.backend, progress=not args.no_progress, resume=args.resume)
+    if not summary.get("run_dir"):
+        return 0  # a torchrun rank other than 0: rank 0 prints the run
     if args.json:
         print(json.dumps(summary))
     else:
@@ -103,6 +112,20 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("loss_first") is not None:
         lines.append(f"loss       {s['loss_first']:.4f} -> {s['loss_last']:.4f}")
+    if s.get("utilization_by_level"):
+        util = " | ".join(f"{k} {100 * v:.1f}%" for k, v in s["utilization_by_level"].items())
+        lines.append(f"links      utilization {util} ({s.get('network_model')} network model)")
+    if s.get("hottest_links"):
+        hot = ", ".join(f"{h['name']} {100 * h.get('utilization', 0):.0f}%" for h in s["hottest_links"][:3])
+        lines.append(f"hottest    {hot}")
+    if s.get("exposed_s") is not None:
+        lines.append(f"exposed    {ms(s['exposed_s'])} of the step with the compute stream idle (comm, copies, waits)")
+    if s.get("faults"):
+        for f in s["faults"]:
+            lost = f", {f['time_lost_s']:.1f} s of training lost" if f["time_lost_s"] else ""
+            lines.append(f"fault      step {f['step']}: {f['kind']} {f['target']} -> {f['action']}{lost}")
+    if s.get("fits_in_device_memory") is False:
+        lines.append(f"WARNING    peak memory exceeds the profile's {s['device_memory_bytes'] / 1e9:.0f} GB device memory")
     return "\n".join(lines)
 
 

@@ -2,37 +2,64 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from testbed.backend import RunResult, get_backend
+from testbed.errors import ScenarioError
 from testbed.results import StepRecord, summarize
-from testbed.runs import RunWriter, find_complete, load_run
+from testbed.runs import RunWriter, check_resumable, find_complete, load_run, run_dir_for
 from testbed.scenario import Scenario
 
 
 def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = False,
-                 reuse: bool = False) -> dict:
+                 reuse: bool = False, resume: str | Path | None = None) -> dict:
     """Run ``scenario`` on ``backend`` and return its summary (with ``run_dir``).
 
     ``reuse=True`` returns the summary of an identical finished run instead of running
     again (what sweeps use to resume where they stopped).
+
+    ``resume``: a stopped run folder of this scenario to continue from its latest
+    complete checkpoint (M23; backends that keep checkpoints: real); its steps.jsonl
+    keeps the steps before that point and continues.
+
+    Backends that take a run folder (``takes_run_dir``) are given it, for checkpoints and
+    profiler traces. A backend may say this process does not write the run folder
+    (``writes_run_folder()``: a torchrun rank other than 0, which runs its share of the
+    job while rank 0 writes): then nothing is written and the summary is only
+    ``{"backend", "run_dir": None, "writer": False}``.
     """
-    if reuse and (done := find_complete(scenario, backend)) is not None:
+    if reuse and resume is None and (done := find_complete(scenario, backend)) is not None:
         return load_run(done)[1]
     impl = get_backend(backend)
-    writer = RunWriter(scenario, backend)
+    takes_run_dir = getattr(impl, "takes_run_dir", False)
+    if resume is not None:
+        if not takes_run_dir:
+            raise ScenarioError("--resume", str(resume), f"the {backend} backend keeps no checkpoints to resume from")
+        check_resumable(resume, scenario)
+    writes = getattr(impl, "writes_run_folder", lambda: True)()
+    writer = RunWriter(scenario, backend, resume) if writes else None
+    run_dir = writer.dir if writer is not None else Path(resume) if resume is not None else run_dir_for(scenario, backend)
     records: list[StepRecord] = []
 
     def on_step(record: StepRecord) -> None:
         records.append(record)
-        writer.write_step(record)
+        if writer is not None:
+            writer.write_step(record)
 
-    fields = {"backend": backend, "run_dir": str(writer.dir)}
+    options = {"run_dir": run_dir, "resume": True if resume is not None else None} if takes_run_dir else {}
+    fields = {"backend": backend, "run_dir": str(run_dir)}
     try:
-        result: RunResult = impl.run(scenario, progress=progress, on_step=on_step)
+        result: RunResult = impl.run(scenario, progress=progress, on_step=on_step, **options)
     except BaseException:
         # stopped or failed: keep what was measured, marked incomplete
-        writer.finish(summarize(records, scenario.run.warmup_steps, **fields), [], None, complete=False)
+        if writer is not None:
+            writer.finish(summarize(writer.kept + records, scenario.run.warmup_steps, **fields), [], None,
+                          complete=False)
         raise
-    summary = summarize(result.records, scenario.run.warmup_steps, **fields)
+    if writer is None:
+        return {"backend": backend, "run_dir": None, "writer": False}
+    kept = writer.continue_from(result.extra["resumed_from"]) if resume is not None else []
+    summary = summarize(kept + result.records, scenario.run.warmup_steps, **fields)
     summary.update(result.extra)
     writer.finish(summary, result.trace_events, result.routing)
     return summary

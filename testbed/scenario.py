@@ -237,6 +237,7 @@ class RealConfig:
     device: str = doc("cpu (gloo), cuda (NCCL, one rank per GPU) or auto", "auto", choices=("auto", "cpu", "cuda"))
     timeout_s: float = doc("a collective that waits longer than this fails the run", 60.0, check=positive)
     check_weights: bool = doc("keep an unpaged copy of expert weights and check pages against it every step", False)
+    profile: bool = doc("run the steps after warm-up under torch.profiler; each rank writes torch_trace_rank<r>.json into the run folder", False)
 
 
 SECTIONS = {
