@@ -59,6 +59,15 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
+def host_seconds(profile: MachineProfile, world: int) -> dict[str, float]:
+    """Measured host cost per stage call (``measured.stage_us``, nearest measured world)."""
+    rows = profile.measured.stage_us
+    if not rows:
+        return {}
+    nearest = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), w))
+    return {r["stage"]: r["us"] * 1e-6 for r in rows if r["world"] == nearest}
+
+
 def network_mode(scenario: Scenario) -> str:
     mode = scenario.sim.network_model
     if mode == "auto":
@@ -78,11 +87,12 @@ class ClusterSim:
         self.fabric = build_fabric(s, profile)
         self.mode = network_mode(s)
         self.network = Network(self.env, self.fabric, self.mode)
-        self.collectives = CollectiveModel(self.network, profile)
+        self.collectives = CollectiveModel(self.network, profile, s.world_size)
         self.timer = AnalyticTimer(self.collectives)
-        self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype),
+        self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype, s.world_size),
                                     profile.collectives.group_create_ms * 1e-3, profile.copy.overlap > 0,
-                                    create_on_all_ranks=profile.collectives.group_create_scope == "all")
+                                    create_on_all_ranks=profile.collectives.group_create_scope == "all",
+                                    host_s=host_seconds(profile, s.world_size))
         self.faults = Faults(s, self.fabric)
         self.copy_latency = profile.copy.latency_us * 1e-6
         self.clock = 0.0

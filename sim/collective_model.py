@@ -64,12 +64,13 @@ class CollectiveModel:
     across nodes (S/g). Elsewhere they fall back to the ring.
     """
 
-    def __init__(self, network: Network, profile: MachineProfile):
+    def __init__(self, network: Network, profile: MachineProfile, world: int | None = None):
         self.network = network
         self.env = network.env
         self.fabric = network.fabric
         self.profile = profile
         self.call_latency = profile.collectives.latency_us * 1e-6  # s
+        self.measured = MeasuredCollectives(profile, world or network.fabric.world)
 
     def algorithm(self, kind: str) -> str:
         """Algorithm of ``kind`` in the profile (p2p: direct)."""
@@ -149,6 +150,10 @@ class CollectiveModel:
         return self.env.process(self._run(op))
 
     def _run(self, op: CollectiveOp):
+        measured = self.measured.seconds(op)
+        if measured is not None:  # what this machine's library was measured to take
+            yield self.env.timeout(measured)
+            return
         for stage in self.stages(op):
             flows = [self.atom_flows(a) for a in stage]
             latency = max((f.fixed_latency_s for f in flows), default=0.0)
@@ -156,6 +161,44 @@ class CollectiveModel:
                 yield self.env.timeout(latency)
             yield simpy.AllOf(self.env, [self.network.start_flows(f.src, f.dst, f.nbytes, tag=op.stage,
                                                                   path_latency=False) for f in flows])
+
+
+class MeasuredCollectives:
+    """Collective times from a calibrated profile's ``measured.collectives`` entries.
+
+    An entry (kind, group size, world) says: with ``world`` ranks running groups of that
+    size at once, a call takes ``latency + bytes per member / bandwidth``. Entries of the
+    measured world nearest to the scenario's are used; group sizes between two measured
+    ones are interpolated linearly, outside them the nearest is taken.
+    """
+
+    def __init__(self, profile: MachineProfile, world: int):
+        rows = profile.measured.collectives
+        worlds = sorted({r["world"] for r in rows})
+        self.table: dict[str, list[tuple[int, float, float]]] = {}
+        if not worlds:
+            return
+        nearest = min(worlds, key=lambda w: (abs(w - world), w))
+        for r in rows:
+            if r["world"] == nearest:
+                self.table.setdefault(r["kind"], []).append((r["group_size"], r["latency_us"] * 1e-6, r["GBps"] * 1e9))
+        for entries in self.table.values():
+            entries.sort()
+
+    def seconds(self, op: CollectiveOp) -> float | None:
+        entries = self.table.get(op.kind)
+        p = len(op.members)
+        if not entries or (op.kind == "p2p" and op.members[0] == op.members[1]) or (op.kind != "p2p" and p < 2):
+            return None if not entries else 0.0
+        sizes = np.array([e[0] for e in entries], dtype=float)
+        lat = np.interp(p, sizes, [e[1] for e in entries])
+        bw = np.interp(p, sizes, [e[2] for e in entries])
+        if op.kind == "all_to_all_v":
+            m = np.asarray(op.matrix, dtype=np.float64)
+            nbytes = float((m.sum(axis=1) - np.diag(m)).max())
+        else:
+            nbytes = float(op.size)
+        return float(lat + nbytes / bw)
 
 
 def ring_share(kind: str, p: int, size: float) -> tuple[float, int]:
@@ -206,7 +249,11 @@ class AnalyticTimer:
 
     def seconds(self, op: CollectiveOp) -> float:
         """Seconds ``op`` takes alone on the fabric: per stage of its algorithm, the largest
-        fixed latency of its atoms plus the bottleneck link of their flows together."""
+        fixed latency of its atoms plus the bottleneck link of their flows together (or the
+        profile's measured time for ops of its kind and size)."""
+        measured = self.model.measured.seconds(op)
+        if measured is not None:
+            return measured
         total = 0.0
         for stage in self.model.stages(op):
             load = None

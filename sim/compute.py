@@ -32,7 +32,7 @@ GEMMS_BACKWARD = 4  # input and weight gradient of each matrix
 class ComputeModel:
     """Roofline times of one GPU (or CPU rank) of ``profile`` in ``dtype``."""
 
-    def __init__(self, profile: MachineProfile, dtype: str):
+    def __init__(self, profile: MachineProfile, dtype: str, world: int = 1):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
         self.profile = profile
@@ -41,6 +41,7 @@ class ComputeModel:
         self.peak = profile.compute.peak(dtype)  # FLOP/s
         self.memory_bw = profile.compute.memory_GBps * 1e9  # bytes/s
         self.launch = profile.compute.launch_us * 1e-6  # s
+        self.scale = contention_factor(profile, world)
 
     def expert_time(self, tokens_per_expert, hidden: int, ffn: int, kernel: str = "grouped",
                     backward: bool = False) -> float:
@@ -71,7 +72,7 @@ class ComputeModel:
             seconds = np.maximum(np.maximum(compute, memory), gemms * self.launch)
         else:
             raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
-        return np.where(idle, 0.0, seconds)
+        return np.where(idle, 0.0, seconds * self.scale)
 
     def router_time(self, tokens: int, hidden: int, experts: int) -> float:
         """Gate GEMM (tokens x H times H x E at the grouped efficiency of ``tokens``, reading
@@ -82,14 +83,14 @@ class ComputeModel:
         flops = 2.0 * tokens * hidden * experts
         compute = flops / (self.peak * self.profile.compute.efficiency_at("grouped", tokens))
         memory = tokens * hidden * self.dtype_bytes / self.memory_bw
-        return max(compute, memory, self.launch) + self.profile.overheads.router_us * 1e-6
+        return (max(compute, memory, self.launch) + self.profile.overheads.router_us * 1e-6) * self.scale
 
     def optimizer_time(self, param_bytes: float) -> float:
         """SGD step on ``param_bytes`` of weights: read weights and gradients, write
         weights (3x the bytes) at memory bandwidth; at least one launch."""
         if param_bytes <= 0:
             return 0.0
-        return max(3.0 * param_bytes / self.memory_bw, self.launch)
+        return max(3.0 * param_bytes / self.memory_bw, self.launch) * self.scale
 
     def copy_time(self, page_bytes):
         """Seconds to copy one page host <-> device: latency + bytes / table bandwidth."""
@@ -97,4 +98,14 @@ class ComputeModel:
 
     def heat_update_time(self, experts: int) -> float:
         """One heat-map update over ``experts`` experts (M18)."""
-        return experts * self.profile.overheads.heat_update_us_per_expert * 1e-6
+        return experts * self.profile.overheads.heat_update_us_per_expert * 1e-6 * self.scale
+
+
+def contention_factor(profile: MachineProfile, world: int) -> float:
+    """How much slower one rank computes with ``world`` ranks on the machine
+    (``measured.compute_scale``, nearest measured world; 1 when not measured)."""
+    rows = profile.measured.compute_scale
+    if not rows:
+        return 1.0
+    nearest = min(rows, key=lambda r: (abs(r["world"] - world), r["world"]))
+    return float(nearest["factor"])

@@ -126,8 +126,10 @@ class PhaseBuilder:
     """
 
     def __init__(self, scenario: Scenario, layout: Layout, compute: ComputeModel,
-                 group_create_s: float, copies_overlap: bool, create_on_all_ranks: bool = True):
+                 group_create_s: float, copies_overlap: bool, create_on_all_ranks: bool = True,
+                 host_s: dict[str, float] | None = None):
         self.s, self.layout, self.compute = scenario, layout, compute
+        self.host_s = host_s or {}  # stage -> host seconds per call (measured overheads)
         self.group_create_s = group_create_s
         self.create_on_all_ranks = create_on_all_ranks
         self.copies_overlap = copies_overlap
@@ -162,8 +164,10 @@ class PhaseBuilder:
         act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
         grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes for layer, r in rows.items()}
         for f in d.forward:
+            self.host("route", f.layer)
             self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
             self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
+            self.host("paging", f.layer)
             self.chain("paging", f.layer, "ops", "comm", ops=f.refresh_ops)
             copy = self.copy_phase(f.layer, f.page_moves)
             self.exchange(f.layer, ("dispatch", f.dispatch_ops),
@@ -176,10 +180,12 @@ class PhaseBuilder:
             sync_phases.append(self.add("expert_sync", -1, "wait", "sync", (self.main,), seconds=creating))
         for layer in reversed(range(m.num_layers)):
             b = d.backward[layer]
+            self.host("paging", layer)
             copy = self.copy_phase(layer, b.page_moves)
             self.exchange(layer, ("combine_backward", b.combine_backward_ops),
                           ("experts_backward", self.expert_seconds(rows[layer], True), grads[layer]),
                           ("dispatch_backward", b.dispatch_backward_ops), n, copy)
+            self.host("route_backward", layer)
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
                        mem_delta=self.router_grad_bytes - act[layer])
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
@@ -188,13 +194,18 @@ class PhaseBuilder:
                         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
                         sync_phases.append(self.add(stage, layer, "ops", "sync", deps, ops=batch,
                                                     mem_transient=buffer_bytes(batch, w)))
+        self.host("expert_sync", -1)
         if not overlap_sync:
             if creating.any():
                 self.chain("expert_sync", -1, "wait", "comm", seconds=creating)
             for batch in batches(d.sync.expert_sync_ops):
                 self.chain("expert_sync", batch[0].layer, "ops", "comm", ops=batch)
+            self.host("dense_sync", -1)
             for batch in batches(d.sync.dense_sync_ops):
                 self.chain("dense_sync", batch[0].layer, "ops", "comm", ops=batch)
+        else:
+            self.host("dense_sync", -1)
+        self.host("optimizer", -1)
         updated = np.zeros(w)
         for r, inst in d.sync.updated.items():
             updated[r] = len(inst) * m.expert_bytes
@@ -202,9 +213,11 @@ class PhaseBuilder:
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
+        self.host("heat", -1)
         if d.end.heat is not None:
             heat_s = self.compute.heat_update_time(m.num_layers * m.num_experts)
             self.chain("heat", -1, "compute", "compute", seconds=np.full(w, heat_s))
+        self.host("paging", -1)
         self.copy_phase(-1, MovesByRank.concat([d.sync.page_moves, d.end.page_moves]))
         return self.phases
 
@@ -220,6 +233,12 @@ class PhaseBuilder:
         for members in created:
             count[list(members)] += 1
         return count * self.group_create_s
+
+    def host(self, stage: str, layer: int) -> None:
+        """The host's fixed cost of one call of ``stage`` (measured profiles only)."""
+        seconds = self.host_s.get(stage, 0.0)
+        if seconds > 0:
+            self.chain(stage, layer, "compute", "compute", seconds=np.full(self.layout.world, seconds))
 
     def add(self, stage, layer, kind, stream, deps, **data) -> int:
         if kind == "ops" and "mem_transient" not in data:
@@ -256,6 +275,8 @@ class PhaseBuilder:
         experts leave allocated [W]).
         """
         (b_stage, b_ops), (x_stage, x_seconds, x_mem), (a_stage, a_ops) = before, experts, after
+        for stage in (b_stage, x_stage, a_stage):  # host work of the three stages, up front
+            self.host(stage, layer)
         if n == 1:
             for batch in batches(b_ops):
                 self.chain(b_stage, layer, "ops", "comm", ops=batch)

@@ -210,6 +210,28 @@ class Overheads:
     router_us: float = _num("router call beyond its GEMM (softmax, top-k, capacity), us per layer", _non_negative)
 
 
+def _rows(doc: str, **fields):
+    return field(default=(), metadata={"doc": doc, "kind": "records", "fields": fields, "optional": True})
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``testbed calibrate`` measured on this machine (all optional). Where an entry
+    fits a scenario, the simulator uses it instead of the link and roofline models."""
+
+    collectives: tuple = _rows(
+        "alpha-beta cost of a collective with all groups of its size busy at once: time = "
+        "latency_us + bytes per member / GBps (all_to_all_v: the largest send of a member)",
+        kind=str, group_size=int, world=int, latency_us=float, GBps=float)
+    compute_scale: tuple = _rows(
+        "compute time of one rank with `world` ranks busy, relative to the compute figures",
+        world=int, factor=float)
+    stage_us: tuple = _rows(
+        "fixed cost per call of a stage on the host (Python, autograd, bookkeeping), us; "
+        "per layer for layer stages, per step for the others",
+        world=int, stage=str, us=float)
+
+
 @dataclass(frozen=True)
 class MachineProfile:
     """Everything the simulator needs to know about one machine type."""
@@ -225,6 +247,8 @@ class MachineProfile:
     copy: CopyFigures = _section(CopyFigures, "host <-> device page copies")
     collectives: CollectiveFigures = _section(CollectiveFigures, "communication library")
     overheads: Overheads = _section(Overheads, "testbed bookkeeping")
+    measured: Measured = field(default_factory=Measured, metadata={
+        "doc": "what testbed calibrate measured (optional)", "kind": "section", "cls": Measured, "optional": True})
 
     def to_dict(self) -> dict:
         """Plain TOML-ready mapping (curves as lists of [x, y])."""
@@ -306,6 +330,8 @@ def _build(cls: type, data: Any, prefix: str, label: str):
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
+            if f.metadata.get("optional"):
+                continue  # the dataclass default stands
             raise _error(label, prefix + name, None, "missing: " + f.metadata["doc"])
         kwargs[name] = _coerce(f.metadata, data[name], prefix + name, label)
     return cls(**kwargs)
@@ -331,6 +357,8 @@ def _coerce(meta: dict, value: Any, key: str, label: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise _error(label, key, value, "expected a table of strings")
         return dict(value)
+    if kind == "records":
+        return _records(meta, value, key, label)
     if kind == "float":
         v = _number(value, key, label)
         reason = meta["check"](v)
@@ -349,6 +377,31 @@ def _coerce(meta: dict, value: Any, key: str, label: str) -> Any:
         if reason:
             raise _error(label, key, value, f"y value {y}: {reason}")
     return points
+
+
+def _records(meta: dict, value: Any, key: str, label: str) -> tuple:
+    """A list of inline tables with exactly the fields ``meta["fields"]`` (name -> type)."""
+    spec = meta["fields"]
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise _error(label, key, value, "expected a list of tables {" + ", ".join(spec) + "}")
+    out = []
+    for i, row in enumerate(value):
+        if set(row) != set(spec):
+            raise _error(label, f"{key}[{i}]", row, "expected the keys " + ", ".join(spec))
+        clean = {}
+        for name, typ in spec.items():
+            v = row[name]
+            if typ is str:
+                if not isinstance(v, str):
+                    raise _error(label, f"{key}[{i}].{name}", v, "expected a string")
+            else:
+                v = _number(v, f"{key}[{i}].{name}", label)
+                if v < 0:
+                    raise _error(label, f"{key}[{i}].{name}", v, "must be >= 0")
+                v = int(v) if typ is int else v
+            clean[name] = v
+        out.append(clean)
+    return tuple(out)
 
 
 def _plain(obj: Any) -> Any:
