@@ -7,6 +7,7 @@ Every user error (bad scenario, missing file, unknown backend) is printed as one
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -49,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     chk.set_defaults(func=_cmd_check)
 
+    cal = sub.add_parser("calibrate", help="measure this machine with the real backend and write profiles/NAME.toml")
+    cal.add_argument("--name", required=True, help="profile name (use it as cluster.profile = NAME)")
+    cal.add_argument("--ranks", type=int, default=4, help="largest number of ranks to measure with (default 4)")
+    cal.add_argument("--base", default="local-cpu", help="profile whose link figures are kept (default local-cpu)")
+    cal.add_argument("--output-dir", default="profiles", help="where the profile goes (default ./profiles)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about half the time)")
+    cal.set_defaults(func=_cmd_calibrate)
+
     fld = sub.add_parser("fields", help="list every scenario field with its default and meaning")
     fld.set_defaults(func=_cmd_fields)
     return p
@@ -76,6 +85,15 @@ def _cmd_report(args) -> int:
 
     path = write_comparison_report(args.run_dirs, args.output)
     print(f"wrote {path}")
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    # the real backend is found by name, like a backend: testbed does not import it at load
+    calibrate = importlib.import_module("real.calibrate").calibrate
+    path = calibrate(args.name, ranks=args.ranks, base=args.base, out_dir=args.output_dir, quick=args.quick,
+                     log=lambda line: print(line, file=sys.stderr))
+    print(path)
     return 0
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import plotly.graph_objects as go
-import plotly.io as pio
 import tomllib
 
 from testbed.errors import ScenarioError
+from testbed.html_page import figures_html, write_page
 from testbed.results import StepRecord
 from testbed.stages import STAGES
 from testbed.topology import LEVELS
@@ -206,14 +206,6 @@ def step_time_figure(runs: list[Run]) -> go.Figure:
 
 
 # ---- page -----------------------------------------------------------------------------
-_STYLE = """body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
-table { border-collapse: collapse; font-size: 0.9em; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }
-td:nth-child(n+3) { text-align: right; }
-th { background: #f2f2f2; }
-.note { color: #555; max-width: 60em; }
-.fig { margin: 1.5em 0; }"""
-
 _NOTE = ("This page compares {n} run(s) of the MoE testbed, read from their run folders. "
          "Times are the median of measured steps (warm-up steps left out); stage times are "
          "medians per stage, so their sum need not equal the median step time. Bytes are the "
@@ -227,15 +219,5 @@ def write_comparison_report(run_dirs: list[str | Path], output: str | Path, titl
     title = title or f"Comparison of {len(runs)} run(s)"
     figures = [stage_time_figure(runs), level_bytes_figure(runs), stage_bytes_figure(runs),
                memory_figure(runs), step_time_figure(runs)]
-    divs = [pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), div_id=f"fig-{i}",
-                        default_height=f"{fig.layout.height}px")
-            for i, fig in enumerate(figures)]
-    body = "\n".join(f'<div class="fig">{d}</div>' for d in divs)
-    page = (f"<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
-            f"<style>\n{_STYLE}\n</style>\n</head>\n<body>\n<h1>{html.escape(title)}</h1>\n"
-            f"<p class=\"note\">{html.escape(_NOTE.format(n=len(runs)))}</p>\n"
-            f"<h2>Runs</h2>\n{_table(runs)}\n<h2>Figures</h2>\n{body}\n</body>\n</html>\n")
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
-    return out
+    return write_page(output, title, _NOTE.format(n=len(runs)),
+                      [("Runs", _table(runs)), ("Figures", figures_html(figures))])

@@ -1,0 +1,116 @@
+"""The simulated-vs-measured report (``experiments/validate_sim_vs_real.py``).
+
+Every number on the page comes from the result the experiment passes in, which names
+the run folders of each point (measured: a real run; simulated: the simulator replaying
+that run's routing with the named profile). Times in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+from testbed.html_page import figures_html, table_html, write_page
+from testbed.profile import load_profile
+from testbed.stages import STAGES
+
+#: what a large error in a stage usually means, for the reader of a missed point
+WHY = {
+    "route": "host work of routing and the counts all-gather (Python, gloo latency) varies more than modelled",
+    "paging": "page copies and replica refreshes carry per-page host costs the model averages",
+    "dispatch": "all-to-all time under load differs from the alpha-beta fit for this group size or message size",
+    "combine": "all-to-all time under load differs from the alpha-beta fit for this group size or message size",
+    "combine_backward": "backward all-to-all plus autograd overhead not covered by the calibration",
+    "dispatch_backward": "backward all-to-all plus autograd overhead not covered by the calibration",
+    "experts": "expert GEMM rate: contention between ranks on the cores differs from the calibration",
+    "experts_backward": "expert GEMM rate: contention between ranks on the cores differs from the calibration",
+    "route_backward": "router backward and autograd bookkeeping",
+    "expert_sync": "group creation and reduce-scatter / all-gather under load (two-stage) or all-reduce size",
+    "dense_sync": "the router all-reduce also absorbs waiting for the slowest rank (stragglers)",
+    "optimizer": "per-page host work of the weight update",
+    "heat": "heat-map update host work",
+}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+def scatter_figure(points: list[dict]) -> go.Figure:
+    fig = go.Figure()
+    for world in sorted({p["world"] for p in points}):
+        sel = [p for p in points if p["world"] == world]
+        fig.add_trace(go.Scatter(
+            x=[p["measured_step_s"] * 1e3 for p in sel], y=[p["simulated_step_s"] * 1e3 for p in sel],
+            mode="markers", name=f"{world} ranks", marker={"size": 10},
+            text=[_label(p) for p in sel], hovertemplate="%{text}<br>measured %{x:.1f} ms<br>simulated %{y:.1f} ms"))
+    top = max(max(p["measured_step_s"], p["simulated_step_s"]) for p in points) * 1e3 * 1.1
+    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="identity",
+                             line={"dash": "dash", "color": "#888"}))
+    fig.update_layout(title="Simulated vs measured step time (median of measured steps)", height=520,
+                      xaxis_title="measured ms", yaxis_title="simulated ms")
+    return fig
+
+
+def stage_error_figure(points: list[dict]) -> go.Figure:
+    """Signed error (simulated - measured) per stage and point, ms."""
+    stages = [s for s in STAGES if any(s in p["stages"] for p in points)]
+    z = [[p["stages"].get(s, {}).get("error_s", 0.0) * 1e3 for s in stages] for p in points]
+    fig = go.Figure(go.Heatmap(z=z, x=stages, y=[_label(p) for p in points], colorscale="RdBu", zmid=0,
+                               colorbar={"title": "ms"}))
+    fig.update_layout(title="Error by stage: simulated minus measured (ms per step, mean over ranks)",
+                      height=max(360, 26 * len(points) + 160))
+    return fig
+
+
+def _label(p: dict) -> str:
+    if p.get("grid") == "gpu":
+        return f"GPU x{p['world']} page {p['page_size']} heat {p['heat']}"
+    return f"x{p['world']} {p['token_strategy']}/{p['expert_sync']} cf={p['capacity_factor']}"
+
+
+def write_validation_report(result: dict, output: str | Path) -> Path:
+    points, pairs = result["points"], result["speedup_pairs"]
+    goals = result["goals"]
+    head = [
+        ["median |step-time error|", f"{100 * result['median_abs_error']:.1f}%", f"<= {100 * goals['median_abs_error']:.0f}%"],
+        ["worst |step-time error|", f"{100 * result['max_abs_error']:.1f}%", f"<= {100 * goals['max_abs_error']:.0f}%"],
+        ["speedup rank agreement", f"{result['speedup_rank_agreement']}",
+         f"= {goals['speedup_rank_agreement']} ({result['scored_pairs']} of {result['pairs']} pairs scored)"],
+        ["rank agreement, all pairs", f"{result['speedup_rank_agreement_all_pairs']}", "(ties included)"],
+    ]
+    rows = []
+    for p in points:
+        miss = abs(p["rel_error"]) > goals["median_abs_error"]
+        why = ""
+        if miss and p["worst_stage"]:
+            st = p["stages"][p["worst_stage"]]
+            why = (f"{p['worst_stage']} off by {st['error_s'] * 1e3:+.2f} ms "
+                   f"({_ms(st['simulated_s'])} vs {_ms(st['measured_s'])}): {WHY.get(p['worst_stage'], '')}")
+        rows.append([_label(p), _ms(p["measured_step_s"]), _ms(p["simulated_step_s"]),
+                     f"{100 * p['rel_error']:+.1f}%", p["worst_stage"] or "", why, p["real_run"], p["sim_run"]])
+    pair_rows = [[q["a"], q["b"], f"x{q['world']}", f"{q['measured_speedup']:.3f}", f"{q['simulated_speedup']:.3f}",
+                  "yes" if q["agree"] else "NO", "scored" if q["scored"] else "tie (not scored)"] for q in pairs]
+    profile = load_profile(result["profile"])
+    prof_rows = [["name", profile.name], ["machine", profile.machine], ["date", profile.date],
+                 ["versions", ", ".join(f"{k} {v}" for k, v in profile.versions.items())],
+                 ["how it was made", profile.source], ["file", result["profile"]]]
+    measured = [[r["kind"], r["group_size"], r["world"], f"{r['latency_us']:.0f}", f"{r['GBps']:.3f}"]
+                for r in profile.measured.collectives]
+    note = ("Each point ran on the real backend (measured) and on the simulator replaying that run's routing "
+            "with the profile below (simulated); error = (simulated - measured) / measured of the median step "
+            "time. The profile was calibrated in a separate run (testbed calibrate); none of these points was "
+            "used to fit it. Speedup pairs whose measured times differ by less than the tie threshold are shown "
+            "but not scored.")
+    sections = [
+        ("Result against the goals", table_html(["figure", "value", "goal"], head)),
+        ("Figures", figures_html([scatter_figure(points), stage_error_figure(points)])),
+        ("Points", table_html(["point", "measured ms", "simulated ms", "error", "stage most off",
+                               "why (where the point misses)", "real run", "simulated run"], rows)),
+        ("Speedups (time of b / time of a)", table_html(["a", "b", "ranks", "measured", "simulated", "same order",
+                                                         ""], pair_rows)),
+        ("Profile used", table_html(["", ""], prof_rows) + "<h3>Measured collectives</h3>" +
+         table_html(["kind", "group size", "world", "latency us", "GB/s"], measured)),
+    ]
+    return write_page(output, "Simulated vs measured: " + profile.name, note, sections)
