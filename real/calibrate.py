@@ -57,20 +57,24 @@ PAGE_SIZES_MB = (0.0625, 0.25, 1, 4, 16)
 FFN_SHAPE = (128, 256)  # H, F of the compute benchmarks
 
 
-def calibration_scenario(world: int, output_dir: str) -> Scenario:
-    """The scenario whose stage times give the host costs: 2 layers of 8 experts, H 96,
-    F 192, 384 tokens, alltoall + allreduce, paging on. Validation grids use other sizes."""
-    return Scenario.from_dict({
-        "model": {"hidden_size": 96, "ffn_hidden_size": 192, "num_layers": 2, "num_experts": 8},
-        "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": max(1, world // 2), "microclusters": 1,
-                    "profile": "local-cpu"},
-        "parallelism": {"ep_size": 2},
-        "pager": {"page_size_bytes": "32KiB", "gpu_budget_bytes": "2MiB"},
-        "heat": {"update_interval": 3, "window_steps": 6},
-        "comm": {"token_strategy": "alltoall", "expert_sync": "allreduce"},
-        "workload": {"tokens_per_rank": 384},
-        "run": {"steps": 8, "warmup_steps": 2, "output_dir": output_dir},
-    })
+def calibration_scenarios(world: int, output_dir: str) -> list[Scenario]:
+    """Two scenarios of different sizes whose stage times give the host costs (fixed and
+    per byte): 2 layers of 8 experts, alltoall + allreduce, paging on; small (H 64, F 128,
+    256 tokens) and large (H 192, F 384, 768 tokens). Validation grids use other sizes."""
+    out = []
+    for hidden, ffn, tokens, page, budget in ((64, 128, 256, "16KiB", "768KiB"), (192, 384, 768, "64KiB", "4MiB")):
+        out.append(Scenario.from_dict({
+            "model": {"hidden_size": hidden, "ffn_hidden_size": ffn, "num_layers": 2, "num_experts": 8},
+            "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": max(1, world // 2), "microclusters": 1,
+                        "profile": "local-cpu"},
+            "parallelism": {"ep_size": 2},
+            "pager": {"page_size_bytes": page, "gpu_budget_bytes": budget},
+            "heat": {"update_interval": 3, "window_steps": 6},
+            "comm": {"token_strategy": "alltoall", "expert_sync": "allreduce"},
+            "workload": {"tokens_per_rank": tokens},
+            "run": {"steps": 10, "warmup_steps": 2, "output_dir": output_dir},
+        }))
+    return out
 
 
 # ---- measurements in the rank processes -------------------------------------------------
@@ -255,14 +259,25 @@ def stage_calls(scenario: Scenario) -> dict[str, int]:
 
 
 def _host_costs(profile: MachineProfile, world: int, workdir: str) -> list[dict]:
-    s = calibration_scenario(world, workdir)
+    """Per stage: host seconds per call = a + b x bytes handled, from two calibration runs
+    (what the real backend took beyond what the simulator models, per call)."""
     path = Path(workdir) / f"calibration-{world}.toml"
     save_profile(profile, path)
-    real = run_scenario(s, "real")
-    sim = run_scenario(s.replace(workload={"trace": real["run_dir"]}, cluster={"profile": str(path)}), "sim")
-    calls = stage_calls(s)
-    return [{"world": world, "stage": st, "us": max(0.0, (real["stage_time_s"][st] - sim["stage_time_s"][st])
-                                                     / calls[st] * 1e6)} for st in STAGES]
+    per_stage: dict[str, list[tuple[float, float]]] = {st: [] for st in STAGES}
+    for s in calibration_scenarios(world, workdir):
+        real = run_scenario(s, "real")
+        sim = run_scenario(s.replace(workload={"trace": real["run_dir"]}, cluster={"profile": str(path)}), "sim")
+        calls = stage_calls(s)
+        for st in STAGES:
+            residual = (real["stage_time_s"][st] - sim["stage_time_s"][st]) / calls[st]
+            per_stage[st].append((sim["host_bytes_by_stage"][st] / calls[st], residual))
+    rows = []
+    for st, pts in per_stage.items():
+        (z1, r1), (z2, r2) = sorted(pts)
+        per_byte = max(0.0, (r2 - r1) / (z2 - z1)) if z2 > z1 else 0.0
+        fixed = max(0.0, float(np.mean([r - per_byte * z for z, r in pts])))
+        rows.append({"world": world, "stage": st, "us": fixed * 1e6, "us_per_MB": per_byte * 1e12})
+    return rows
 
 
 def calibrate(name: str, ranks: int = 4, base: str = "local-cpu", out_dir: str | Path = "profiles",

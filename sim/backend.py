@@ -59,13 +59,14 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
-def host_seconds(profile: MachineProfile, world: int) -> dict[str, float]:
-    """Measured host cost per stage call (``measured.stage_us``, nearest measured world)."""
+def host_seconds(profile: MachineProfile, world: int) -> dict[str, tuple[float, float]]:
+    """Measured host cost per stage call: (seconds, seconds per byte of the stage's work)
+    (``measured.stage_us``, nearest measured world)."""
     rows = profile.measured.stage_us
     if not rows:
         return {}
     nearest = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), w))
-    return {r["stage"]: r["us"] * 1e-6 for r in rows if r["world"] == nearest}
+    return {r["stage"]: (r["us"] * 1e-6, r["us_per_MB"] * 1e-12) for r in rows if r["world"] == nearest}
 
 
 def network_mode(scenario: Scenario) -> str:
@@ -180,6 +181,8 @@ class SimBackend:
             "layer_time_s": [float(np.median([lt[i] for lt in layer_times[s.run.warmup_steps:] or layer_times]))
                              for i in range(s.model.num_layers)],
             "exposed_s": float(np.median([r.extra["exposed_s_mean"] for r in measured])),
+            "host_bytes_by_stage": {st: float(np.mean([r.extra["host_bytes_by_stage"][st] for r in measured]))
+                                    for st in measured[0].extra["host_bytes_by_stage"]},
             "device_memory_bytes": profile.compute.device_memory_GB * 1e9,
             "fits_in_device_memory": max(r.peak_memory_bytes for r in records) <= profile.compute.device_memory_GB * 1e9,
             "faults": [f.to_dict() for f in sim.faults.outcomes],
@@ -230,6 +233,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
         cache_lookups=cache.lookups if cache else 0,
         expert_states=states,
         extra={"layer_time_s": fig.layer_time_s, "exposed_s_mean": fig.exposed_s_mean,
+               "host_bytes_by_stage": dict(sim.builder.host_bytes),
                "exposed_s_max": fig.exposed_s_max, "faults": [f.to_dict() for f in faults]},
     )
 

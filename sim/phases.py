@@ -37,6 +37,7 @@ from testbed.controller import LayerBackward, LayerForward, StepEnd, SyncPlan
 from testbed.page_moves import GPU, HOST
 from testbed.pager_pool import MovesByRank
 from testbed.scenario import Scenario
+from testbed.stages import STAGES
 from testbed.topology import Layout
 
 from sim.compute import ComputeModel
@@ -129,7 +130,8 @@ class PhaseBuilder:
                  group_create_s: float, copies_overlap: bool, create_on_all_ranks: bool = True,
                  host_s: dict[str, float] | None = None):
         self.s, self.layout, self.compute = scenario, layout, compute
-        self.host_s = host_s or {}  # stage -> host seconds per call (measured overheads)
+        #: stage -> (host seconds per call, host seconds per byte of the stage's work): measured
+        self.host_s = host_s or {}
         self.group_create_s = group_create_s
         self.create_on_all_ranks = create_on_all_ranks
         self.copies_overlap = copies_overlap
@@ -163,13 +165,16 @@ class PhaseBuilder:
         rows = {f.layer: self.expert_rows(f) for f in d.forward}
         act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
         grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes for layer, r in rows.items()}
+        self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
+        tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
         for f in d.forward:
-            self.host("route", f.layer)
+            self.host("route", f.layer, tokens)
             self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
             self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
-            self.host("paging", f.layer)
+            moved = page_copy(f.page_moves, w)
+            self.host("paging", f.layer, moved[0] + moved[1] + buffer_bytes(f.refresh_ops, w))
             self.chain("paging", f.layer, "ops", "comm", ops=f.refresh_ops)
-            copy = self.copy_phase(f.layer, f.page_moves)
+            copy = self.copy_phase(f.layer, moved)
             self.exchange(f.layer, ("dispatch", f.dispatch_ops),
                           ("experts", self.expert_seconds(rows[f.layer], False), act[f.layer]),
                           ("combine", f.combine_ops), n, copy)
@@ -180,12 +185,13 @@ class PhaseBuilder:
             sync_phases.append(self.add("expert_sync", -1, "wait", "sync", (self.main,), seconds=creating))
         for layer in reversed(range(m.num_layers)):
             b = d.backward[layer]
-            self.host("paging", layer)
-            copy = self.copy_phase(layer, b.page_moves)
+            moved = page_copy(b.page_moves, w)
+            self.host("paging", layer, moved[0] + moved[1])
+            copy = self.copy_phase(layer, moved)
             self.exchange(layer, ("combine_backward", b.combine_backward_ops),
                           ("experts_backward", self.expert_seconds(rows[layer], True), grads[layer]),
-                          ("dispatch_backward", b.dispatch_backward_ops), n, copy)
-            self.host("route_backward", layer)
+                          ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer])
+            self.host("route_backward", layer, tokens)
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
                        mem_delta=self.router_grad_bytes - act[layer])
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
@@ -194,31 +200,32 @@ class PhaseBuilder:
                         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
                         sync_phases.append(self.add(stage, layer, "ops", "sync", deps, ops=batch,
                                                     mem_transient=buffer_bytes(batch, w)))
-        self.host("expert_sync", -1)
+        self.host("expert_sync", -1, buffer_bytes(d.sync.expert_sync_ops, w))
         if not overlap_sync:
             if creating.any():
                 self.chain("expert_sync", -1, "wait", "comm", seconds=creating)
             for batch in batches(d.sync.expert_sync_ops):
                 self.chain("expert_sync", batch[0].layer, "ops", "comm", ops=batch)
-            self.host("dense_sync", -1)
+            self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
             for batch in batches(d.sync.dense_sync_ops):
                 self.chain("dense_sync", batch[0].layer, "ops", "comm", ops=batch)
         else:
-            self.host("dense_sync", -1)
-        self.host("optimizer", -1)
+            self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
         updated = np.zeros(w)
         for r, inst in d.sync.updated.items():
             updated[r] = len(inst) * m.expert_bytes
+        self.host("optimizer", -1, updated)
         opt = np.array([self.compute.optimizer_time(b + self.router_grad_bytes * m.num_layers) for b in updated])
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
-        self.host("heat", -1)
+        self.host("heat", -1, np.zeros(w))
         if d.end.heat is not None:
             heat_s = self.compute.heat_update_time(m.num_layers * m.num_experts)
             self.chain("heat", -1, "compute", "compute", seconds=np.full(w, heat_s))
-        self.host("paging", -1)
-        self.copy_phase(-1, MovesByRank.concat([d.sync.page_moves, d.end.page_moves]))
+        moved = page_copy(MovesByRank.concat([d.sync.page_moves, d.end.page_moves]), w)
+        self.host("paging", -1, moved[0] + moved[1])
+        self.copy_phase(-1, moved)
         return self.phases
 
     def creation_seconds(self, sync: SyncPlan) -> np.ndarray:
@@ -234,11 +241,14 @@ class PhaseBuilder:
             count[list(members)] += 1
         return count * self.group_create_s
 
-    def host(self, stage: str, layer: int) -> None:
-        """The host's fixed cost of one call of ``stage`` (measured profiles only)."""
-        seconds = self.host_s.get(stage, 0.0)
-        if seconds > 0:
-            self.chain(stage, layer, "compute", "compute", seconds=np.full(self.layout.world, seconds))
+    def host(self, stage: str, layer: int, work_bytes: np.ndarray) -> None:
+        """The host's cost of one call of ``stage`` on ``work_bytes`` [W] of data (measured
+        profiles only): a fixed part and a part per byte."""
+        self.host_bytes[stage] += float(np.mean(work_bytes))
+        fixed, per_byte = self.host_s.get(stage, (0.0, 0.0))
+        seconds = fixed + per_byte * work_bytes
+        if np.any(seconds > 0):
+            self.chain(stage, layer, "compute", "compute", seconds=seconds)
 
     def add(self, stage, layer, kind, stream, deps, **data) -> int:
         if kind == "ops" and "mem_transient" not in data:
@@ -254,11 +264,11 @@ class PhaseBuilder:
         self.main = self.add(stage, layer, kind, stream, (self.main,), **data)
         return self.main
 
-    def copy_phase(self, layer: int, moves: MovesByRank) -> int:
-        """Page moves of a layer (or the step's end): on the copy stream beside the
-        dispatch when copies overlap compute on this machine, else in the chain.
-        Returns the phase, or -1 when the moves copy nothing and free no slot."""
-        h2d, d2h, pages, slots = page_copy(moves, self.layout.world)
+    def copy_phase(self, layer: int, moved) -> int:
+        """Page moves of a layer (or the step's end), as ``page_copy`` counted them: on the
+        copy stream beside the dispatch when copies overlap compute on this machine, else
+        in the chain. Returns the phase, or -1 when they copy nothing and free no slot."""
+        h2d, d2h, pages, slots = moved
         if not pages.any() and not slots.any():
             return -1
         data = dict(h2d=h2d, d2h=d2h, pages=pages, mem_delta=slots * self.page_bytes)
@@ -266,7 +276,7 @@ class PhaseBuilder:
             return self.add("paging", layer, "copy", "copy", (self.main,), **data)
         return self.chain("paging", layer, "copy", "copy", **data)
 
-    def exchange(self, layer, before, experts, after, n, copy):
+    def exchange(self, layer, before, experts, after, n, copy, expert_work=None):
         """Token exchange -> experts -> token exchange, in n micro-batches (M22 when n > 1).
 
         Micro-batch i's experts wait for its first exchange (and the page loads); the comm
@@ -275,8 +285,10 @@ class PhaseBuilder:
         experts leave allocated [W]).
         """
         (b_stage, b_ops), (x_stage, x_seconds, x_mem), (a_stage, a_ops) = before, experts, after
-        for stage in (b_stage, x_stage, a_stage):  # host work of the three stages, up front
-            self.host(stage, layer)
+        w = self.layout.world
+        work = x_mem if expert_work is None else expert_work  # the experts' activations
+        for stage, size in ((b_stage, buffer_bytes(b_ops, w)), (x_stage, work), (a_stage, buffer_bytes(a_ops, w))):
+            self.host(stage, layer, size)  # host work of the three stages, up front
         if n == 1:
             for batch in batches(b_ops):
                 self.chain(b_stage, layer, "ops", "comm", ops=batch)

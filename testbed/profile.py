@@ -227,9 +227,11 @@ class Measured:
         "compute time of one rank with `world` ranks busy, relative to the compute figures",
         world=int, factor=float)
     stage_us: tuple = _rows(
-        "fixed cost per call of a stage on the host (Python, autograd, bookkeeping), us; "
-        "per layer for layer stages, per step for the others",
-        world=int, stage=str, us=float)
+        "cost of one call of a stage on the host (Python, autograd, bookkeeping): us fixed plus "
+        "us_per_MB of the data the stage handles on the rank; calls are per layer for layer "
+        "stages (paging: per layer forward and backward, and once at the step's end), per step "
+        "for the others",
+        world=int, stage=str, us=float, us_per_MB=float)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,10 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
         check_resumable(resume, scenario)
     writes = getattr(impl, "writes_run_folder", lambda: True)()
     writer = RunWriter(scenario, backend, resume) if writes else None
-    run_dir = writer.dir if writer is not None else Path(resume) if resume is not None else run_dir_for(scenario, backend)
+    if writer is not None:
+        run_dir = writer.dir
+    else:  # the folder rank 0 writes; checkpoints and profiler traces of this rank go there too
+        run_dir = Path(resume) if resume is not None else run_dir_for(scenario, backend)
     records: list[StepRecord] = []
 
     def on_step(record: StepRecord) -> None:
