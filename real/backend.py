@@ -1,8 +1,19 @@
-"""The real backend: the scenario's ranks as PyTorch processes (gloo on CPU, NCCL on GPUs)."""
+"""The real backend: the scenario's ranks as PyTorch processes (gloo on CPU, NCCL on GPUs).
+
+One entry point for both launches (``real.launch``): started plainly it spawns every
+rank on this machine; started by ``torchrun`` (its RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT are set) this process *is* one rank, and only rank 0 writes
+the run folder (``writes_run_folder``) and gets the step records.
+"""
 
 from __future__ import annotations
 
-from real.launch import pick_device, run_ranks
+import statistics
+import time
+
+from real.checkpoint import checkpoint_dir
+from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env
+from real.worker import stream_of
 from testbed.backend import RunResult
 from testbed.errors import ScenarioError
 from testbed.progress import Progress
@@ -10,24 +21,84 @@ from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
 
 
+def check_runnable(scenario: Scenario) -> None:
+    """Fail fast on what only the simulator models (a ScenarioError naming the field)."""
+    s = scenario
+    if s.workload.trace:
+        raise ScenarioError("workload.trace", s.workload.trace,
+                            "the real backend routes real tokens; a trace is replayed by --backend sim")
+    if s.overlap.micro_batches > 1:
+        raise ScenarioError("overlap.micro_batches", s.overlap.micro_batches,
+                            "simulated only: the real backend runs each step as one batch (use --backend sim)")
+    if s.overlap.sync_with_backward:
+        raise ScenarioError("overlap.sync_with_backward", True,
+                            "simulated only: the real backend syncs gradients after the backward (use --backend sim)")
+    if s.faults:
+        raise ScenarioError("faults[0].kind", s.faults[0].kind,
+                            "simulated only: fault events are injected by --backend sim; a real rank that dies "
+                            "stops the run with an error")
+
+
 class RealBackend:
     name = "real"
+    takes_run_dir = True  # testbed.runner passes the run folder (checkpoints, profiler traces) and resume
 
-    def run(self, scenario: Scenario, *, progress: bool = False, on_step=None, debug: dict | None = None) -> RunResult:
-        """Run the scenario's ranks; ``debug`` is for tests (``RankRunner.run``)."""
-        if scenario.workload.trace:
-            raise ScenarioError("workload.trace", scenario.workload.trace,
-                                "the real backend routes real tokens; a trace is replayed by --backend sim")
+    def writes_run_folder(self) -> bool:
+        """False on torchrun ranks other than 0: rank 0 alone writes the run folder."""
+        env = torchrun_env()
+        return env is None or int(env["RANK"]) == 0
+
+    def run(self, scenario: Scenario, *, progress: bool = False, on_step=None, debug: dict | None = None,
+            run_dir=None, resume=None) -> RunResult:
+        """Run the scenario's ranks.
+
+        ``run_dir``: the run folder (checkpoints, torch profiler traces). ``resume``: None
+        for a fresh run, True to continue from the latest complete checkpoint, or the step
+        of one (M23). ``debug`` is for tests (``RankRunner.run``).
+        """
+        check_runnable(scenario)
+        if scenario.checkpoint.enabled and checkpoint_dir(scenario, run_dir) is None:
+            raise ScenarioError("checkpoint.directory", "", "checkpoints need a folder: a run folder or this field")
+        if resume is not None and resume is not False and not scenario.checkpoint.enabled:
+            raise ScenarioError("checkpoint.enabled", False, "resuming needs the run's checkpoints")
+        run_dir = str(run_dir) if run_dir is not None else None
+        env = torchrun_env()
+        lead = env is None or int(env["RANK"]) == 0
         records = []
-        bar = Progress(scenario.run.steps, f"real x{scenario.world_size}", enabled=progress)
+        bar = Progress(scenario.run.steps, f"real x{scenario.world_size}", enabled=progress and lead)
 
         def step(record):
             records.append(record)
             if on_step:
                 on_step(record)
-            bar.update(note=f"step {record.step_time_s * 1e3:.1f} ms, loss {record.loss:.4f}")
+            bar.update(record.step + 1, note=f"step {record.step_time_s * 1e3:.1f} ms, loss {record.loss:.4f}")
 
-        payload = run_ranks(scenario, step, debug)
-        routing = RoutingTrace(payload["routing"], scenario.workload.tokens_per_rank, scenario.model.top_k)
-        extra = {"device": pick_device(scenario), "group_create_s": payload["group_create_s"]}
+        wall0 = time.perf_counter()
+        if env is None:
+            device = pick_device(scenario)
+            payload = run_ranks(scenario, step, debug, run_dir, resume)
+        else:
+            device = torchrun_device(scenario, int(env["LOCAL_RANK"])).type
+            payload = run_in_process(scenario, env, step, debug, run_dir, resume)
+        if payload is None:  # a torchrun rank other than 0: rank 0 reports the run
+            return RunResult(scenario, [], extra={"device": device})
+        routing = None
+        if payload["routing"] is not None:
+            routing = RoutingTrace(payload["routing"], scenario.workload.tokens_per_rank, scenario.model.top_k)
+        extra = {"device": device, "group_create_s": payload["group_create_s"],
+                 "launcher": "spawn" if env is None else "torchrun",
+                 "wall_time_s": time.perf_counter() - wall0, "exposed_s": _exposed_s(records, scenario)}
+        if resume is not None and resume is not False:
+            extra["resumed_from"] = payload["first_step"]
         return RunResult(scenario, records, payload["trace"], routing, extra, captured=payload.get("captured"))
+
+
+def _exposed_s(records, scenario: Scenario) -> float | None:
+    """Median over measured steps of the time a rank spent outside compute stages (waiting
+    for communication and page copies): the measured counterpart of the simulator's
+    ``exposed_s``."""
+    measured = [r for r in records if r.step >= scenario.run.warmup_steps] or records
+    if not measured:
+        return None
+    return statistics.median(sum(t for stage, t in r.stage_time_s.items() if stream_of(stage) != "compute")
+                             for r in measured)

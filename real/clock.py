@@ -2,8 +2,14 @@
 
 The forward switches stages explicitly; the backward switches them through
 ``StageMarker`` nodes placed in the autograd graph (their backward runs when the
-gradient reaches that point). On CUDA each switch synchronises the device first, so the
-time of queued kernels lands in the stage that launched them.
+gradient reaches that point).
+
+On CPU every op has finished when it returns, so a switch reads ``perf_counter``. On
+CUDA a switch records an event on the current stream instead of synchronising: a stage
+lasts from its opening event to the next one on the device's own timeline, so queued
+kernels land in the stage that launched them without stalling the host. ``take`` waits
+for the device once and turns the events into seconds, anchored to the host time of the
+step's first event (``now``, which synchronises).
 """
 
 from __future__ import annotations
@@ -25,15 +31,32 @@ class StageClock:
         self.started = 0.0
         self.totals: dict[str, float] = defaultdict(float)
         self.regions: list[tuple[str, float, float]] = []
+        self._anchor: tuple[torch.cuda.Event, float] | None = None  # CUDA: (event, host seconds)
+        self._open: torch.cuda.Event | None = None
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        """Host seconds with the device idle (CUDA: synchronises, and anchors the events)."""
+        if not self.cuda:
+            return time.perf_counter()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if not self._pending:  # anchor before the regions it will place (a step's start)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._anchor = (ev, t)
+        return t
 
     def switch(self, stage: str | None) -> None:
         """Close the current stage's region and open ``stage`` (None: stop the clock)."""
-        t = self.now()
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            if self.current is not None and self._open is not None:
+                self._pending.append((self.current, self._open, ev))
+            self.current, self._open = stage, ev
+            return
+        t = time.perf_counter()
         if self.current is not None and t > self.started:
             self.totals[self.current] += t - self.started
             self.regions.append((self.current, self.started - self.origin, t - self.origin))
@@ -51,9 +74,23 @@ class StageClock:
     def take(self) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
         """Totals and regions since the last ``take``; the clock keeps running."""
         self.switch(self.current)
+        if self.cuda:
+            self._resolve()
         totals, regions = dict(self.totals), self.regions
         self.totals, self.regions = defaultdict(float), []
         return totals, regions
+
+    def _resolve(self) -> None:
+        torch.cuda.synchronize()
+        anchor, t0 = self._anchor if self._anchor is not None else (None, self.origin)
+        for stage, start, end in self._pending:
+            seconds = start.elapsed_time(end) * 1e-3
+            if seconds <= 0:
+                continue
+            self.totals[stage] += seconds
+            at = t0 + (anchor.elapsed_time(start) * 1e-3 if anchor is not None else 0.0)
+            self.regions.append((stage, at - self.origin, at + seconds - self.origin))
+        self._pending = []
 
 
 class StageMarker(torch.autograd.Function):

@@ -8,7 +8,9 @@ scenario's rank -> node -> micro-cluster mapping. Summed over ranks, the ledgers
 
 The autograd functions make the token exchange differentiable: the backward of an
 all-to-all is the all-to-all with the splits swapped, of an all-gather a
-reduce-scatter, and of a reduce-scatter an all-gather.
+reduce-scatter, and of a reduce-scatter an all-gather. Given a ``PayloadCodec`` (FP8
+payloads, M22) they compress what they send in both directions: token rows forward,
+their gradients backward.
 """
 
 from __future__ import annotations
@@ -19,9 +21,39 @@ import torch.distributed as dist
 
 from testbed.collectives import ByteLedger, transfers
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
 # torch 2.13 renames the tensor-in/tensor-out collectives; older releases have only the old names
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class PayloadCodec:
+    """Token payloads as float8 e4m3 on the wire (``comm.payload_dtype = "fp8"``, M22).
+
+    Rows are cast to ``torch.float8_e4m3fn`` and sent as uint8 (gloo has no float8), one
+    byte per element: exactly the ``hidden_size`` bytes per slot the planner counts, so
+    no scale travels with them. Hidden states are O(1) and go as they are, saturated at
+    +-448. Gradients are tiny (the loss is a mean over tokens x hidden x ranks), so the
+    backward multiplies them by a fixed power of two ``grad_scale`` before the cast and
+    divides it out after (static loss scaling; exact, as it is a power of two). Both
+    directions are compressed; the receiver decodes into the model dtype, and a
+    compressed reduce-scatter sums the decoded shards in fp32.
+    """
+
+    def __init__(self, grad_scale: float):
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise RuntimeError("comm.payload_dtype = fp8 needs a torch with float8_e4m3fn (>= 2.1)")
+        self.grad_scale = float(grad_scale)
+
+    def encode(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """uint8 bytes of ``x * scale`` in float8 e4m3 (same shape)."""
+        y = x.float() * scale if scale != 1.0 else x.float()
+        return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def decode(self, b: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        y = b.view(torch.float8_e4m3fn).float()
+        return (y / scale if scale != 1.0 else y).to(dtype)
 
 
 class Comm:
@@ -75,6 +107,27 @@ class Comm:
         work = _reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=async_op)
         return (out, work) if async_op else out
 
+    def reduce_scatter_coded(self, x: torch.Tensor, members, group, codec: PayloadCodec, scale: float) -> torch.Tensor:
+        """Reduce-scatter (sum) with a compressed payload: every member sends each peer
+        that peer's shard in FP8 and sums what it receives in fp32. Counted as the
+        planner's ring reduce-scatter of the compressed tensor: the bytes each member
+        sends are the same ((p-1) shards), and they are attributed to links as the ring
+        would: bytes are always the standard algorithm's (``testbed.collectives``), as
+        for gloo's own reduce-scatter, which runs as an all-reduce."""
+        p = len(members)
+        coded = codec.encode(x, scale)
+        self._count("reduce_scatter", tuple(members), coded.numel())
+        if p == 1:
+            return codec.decode(coded, x.dtype, scale)
+        shards = torch.empty_like(coded)
+        rows = [x.shape[0] // p] * p
+        dist.all_to_all_single(shards, coded.contiguous(), rows, rows, group=group)
+        parts = codec.decode(shards, torch.float32, scale).view((p, x.shape[0] // p) + tuple(x.shape[1:]))
+        total = parts[0].clone()
+        for part in parts[1:]:  # fixed order: the same sum on every run
+            total += part
+        return total.to(x.dtype)
+
     def all_reduce(self, x: torch.Tensor, members, group, async_op=False):
         self._count("all_reduce", tuple(members), x.numel() * x.element_size())
         if len(members) == 1:
@@ -95,43 +148,67 @@ class Comm:
                 work.wait()
 
 
+def _coded_all_to_all(comm: Comm, x, send_splits, recv_splits, members, group, codec, scale):
+    if codec is None:
+        return comm.all_to_all(x, send_splits, recv_splits, members, group)
+    out = comm.all_to_all(codec.encode(x, scale), send_splits, recv_splits, members, group)
+    return codec.decode(out, x.dtype, scale)
+
+
+def _coded_all_gather(comm: Comm, x, members, group, codec, scale):
+    if codec is None:
+        return comm.all_gather(x, members, group)
+    return codec.decode(comm.all_gather(codec.encode(x, scale), members, group), x.dtype, scale)
+
+
+def _coded_reduce_scatter(comm: Comm, x, members, group, codec, scale):
+    if codec is None:
+        return comm.reduce_scatter(x, members, group)
+    return comm.reduce_scatter_coded(x, members, group, codec, scale)
+
+
 class AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all of rows; backward sends gradients back with swapped splits."""
+    """Differentiable all-to-all of rows; backward sends gradients back with swapped splits.
+    ``codec`` (or None) compresses rows forward and gradients backward (M22)."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm, send_splits, recv_splits, members, group):
-        ctx.args = (comm, send_splits, recv_splits, members, group)
-        return comm.all_to_all(x, send_splits, recv_splits, members, group)
+    def forward(ctx, x, comm: Comm, send_splits, recv_splits, members, group, codec=None):
+        ctx.args = (comm, send_splits, recv_splits, members, group, codec)
+        return _coded_all_to_all(comm, x, send_splits, recv_splits, members, group, codec, 1.0)
 
     @staticmethod
     def backward(ctx, grad):
-        comm, send_splits, recv_splits, members, group = ctx.args
-        return comm.all_to_all(grad.contiguous(), recv_splits, send_splits, members, group), None, None, None, None, None
+        comm, send_splits, recv_splits, members, group, codec = ctx.args
+        scale = codec.grad_scale if codec else 1.0
+        back = _coded_all_to_all(comm, grad.contiguous(), recv_splits, send_splits, members, group, codec, scale)
+        return back, None, None, None, None, None, None
 
 
 class AllGather(torch.autograd.Function):
     """Differentiable all-gather along dim 0; backward reduce-scatters the gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm, members, group):
-        ctx.args = (comm, members, group)
-        return comm.all_gather(x, members, group)
+    def forward(ctx, x, comm: Comm, members, group, codec=None):
+        ctx.args = (comm, members, group, codec)
+        return _coded_all_gather(comm, x, members, group, codec, 1.0)
 
     @staticmethod
     def backward(ctx, grad):
-        comm, members, group = ctx.args
-        return comm.reduce_scatter(grad.contiguous(), members, group), None, None, None
+        comm, members, group, codec = ctx.args
+        scale = codec.grad_scale if codec else 1.0
+        return _coded_reduce_scatter(comm, grad.contiguous(), members, group, codec, scale), None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
     """Differentiable reduce-scatter (sum) along dim 0; backward all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm, members, group):
-        ctx.args = (comm, members, group)
-        return comm.reduce_scatter(x, members, group)
+    def forward(ctx, x, comm: Comm, members, group, codec=None):
+        ctx.args = (comm, members, group, codec)
+        return _coded_reduce_scatter(comm, x, members, group, codec, 1.0)
 
     @staticmethod
     def backward(ctx, grad):
-        comm, members, group = ctx.args
-        return comm.all_gather(grad.contiguous(), members, group), None, None, None
+        comm, members, group, codec = ctx.args
+        scale = codec.grad_scale if codec else 1.0
+        return _coded_all_gather(comm, grad.contiguous(), members, group, codec, scale), None, None, None, None

@@ -1,7 +1,16 @@
 """Expert FFN compute on rows grouped by expert, and the per-rank math around it.
 
-Tensor suffixes: T tokens, H hidden, F ffn, K top-k, R rows (kept slots), E experts.
-An expert's weights are a flat vector: w1 (H x F) then w2 (F x H); y = gelu(x w1) w2.
+Tensor suffixes: T tokens, H hidden, F ffn, K top-k, R rows (kept slots), E experts,
+G experts of one grouped GEMM. An expert's weights are a flat vector: w1 (H x F) then
+w2 (F x H); y = gelu(x w1) w2.
+
+Two kernels compute the same thing (M22's grouped GEMM):
+- *grouped*: one ``torch._grouped_mm`` per matrix for all experts, forward and backward
+  (weight gradients as the 2-D x 2-D grouped form, offsets on the contracted rows).
+  Groups are padded with zero rows to multiples of ``ALIGN_ROWS`` so every group starts
+  16-byte aligned; zero rows add nothing to any gradient. Used on CUDA with bf16.
+- *loop*: one matmul pair per expert, everywhere else (and on CPU it is bit-identical to
+  the single-process reference, which the equivalence tests rely on).
 
 ``source_slots`` and ``combine_slots`` are the token-side halves of an MoE layer: which
 kept (token, slot) pairs leave a rank, in source order (expert, token, slot), and how
@@ -11,8 +20,13 @@ the single-process reference both use them; only what happens in between differs
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+
 import torch
 import torch.nn.functional as F
+
+ALIGN_ROWS = 16
 
 
 def split_flat(flat: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,79 +34,222 @@ def split_flat(flat: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tensor,
     return flat[: hidden * ffn].view(hidden, ffn), flat[hidden * ffn:].view(ffn, hidden)
 
 
-def expert_ffn(x_RH: torch.Tensor, counts: list[int], flats: list[torch.Tensor | None],
-               hidden: int, ffn: int) -> torch.Tensor:
-    """Rows ``x_RH`` grouped by expert (``counts`` rows each) through each expert's FFN.
+def split_stacked(w_GX: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1_GHF, w2_GFH) views of G stacked flat weight vectors [G, 2 H F]."""
+    g = w_GX.shape[0]
+    return w_GX[:, : hidden * ffn].view(g, hidden, ffn), w_GX[:, hidden * ffn:].view(g, ffn, hidden)
 
-    On CUDA with bf16 weights the experts run as one grouped GEMM (``torch._grouped_mm``)
-    when the build has it; elsewhere a loop of per-expert matmuls (same result within
-    the dtype's tolerance).
+
+def grouped_supported(device: torch.device, dtype: torch.dtype, hidden: int, ffn: int) -> bool:
+    """Whether the grouped kernel runs here: CUDA, bf16, a torch with ``_grouped_mm`` and
+    rows of H and F elements that are whole 16-byte units (the kernel's stride rule)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and hidden % 8 == 0 and ffn % 8 == 0)
+
+
+class ExpertTimer:
+    """Seconds of expert kernels per expert instance (M18's measured compute heat).
+
+    CPU: ``perf_counter`` around each expert's GEMMs, which run synchronously. CUDA:
+    events around them, resolved in ``collect`` once the step has synchronised. A grouped
+    GEMM is one kernel for all its experts: its time is shared in proportion to rows.
     """
-    if sum(counts) == 0:
-        return x_RH.new_zeros((0, hidden))
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.seconds: dict[int, float] = defaultdict(float)
+        self._pending: list = []
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, started, shares: list[tuple[int, float]]) -> None:
+        """Charge the time since ``started`` to instances by ``shares`` (fractions summing to 1)."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((started, end, shares))
+            return
+        dt = time.perf_counter() - started
+        for inst, w in shares:
+            self.seconds[inst] += dt * w
+
+    def collect(self) -> dict[int, float]:
+        """Seconds per instance since the last ``collect`` (the device must be synchronised)."""
+        for start, end, shares in self._pending:
+            dt = start.elapsed_time(end) * 1e-3
+            for inst, w in shares:
+                self.seconds[inst] += dt * w
+        self._pending = []
+        out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out
+
+
+def _row_shares(instances, counts) -> list[tuple[int, float]]:
+    total = sum(counts)
+    return [(i, n / total) for i, n in zip(instances, counts)] if total else []
+
+
+def _start(timer):
+    return timer.start() if timer is not None else None
+
+
+def _stop(timer, started, shares) -> None:
+    if timer is not None:
+        timer.stop(started, shares)
+
+
+# ---- the grouped kernel ----------------------------------------------------------------------
+class GroupLayout:
+    """Rows of G groups padded to multiples of ``ALIGN_ROWS``: ``dest[r]`` is the padded
+    row of input row r (None when no padding is needed), ``offs`` the int32 group ends."""
+
+    def __init__(self, counts: list[int], device: torch.device):
+        padded = [-(-n // ALIGN_ROWS) * ALIGN_ROWS for n in counts]
+        self.rows = sum(counts)
+        if padded == list(counts):
+            self.dest = None
+            ends = counts
+        else:
+            starts = [sum(padded[:k]) for k in range(len(padded))]
+            self.dest = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(device)
+            ends = padded
+        self.padded_rows = sum(ends)
+        self.offs = torch.tensor(ends, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+    def pad(self, x_RX: torch.Tensor) -> torch.Tensor:
+        if self.dest is None:
+            return x_RX.contiguous()
+        return x_RX.new_zeros((self.padded_rows, x_RX.shape[1])).index_copy_(0, self.dest, x_RX)
+
+    def unpad(self, x_PX: torch.Tensor) -> torch.Tensor:
+        return x_PX if self.dest is None else x_PX.index_select(0, self.dest)
+
+
+def grouped_forward(x_RH, w_GX, layout: GroupLayout, hidden: int, ffn: int):
+    """(y_RH, xp_PH, a_PF): the output and what the backward needs (padded rows)."""
+    w1, w2 = split_stacked(w_GX, hidden, ffn)
+    xp = layout.pad(x_RH)
+    a = torch._grouped_mm(xp, w1, offs=layout.offs)
+    y = torch._grouped_mm(F.gelu(a), w2, offs=layout.offs)
+    return layout.unpad(y), xp, a
+
+
+def grouped_backward(dy_RH, xp_PH, a_PF, w_GX, layout: GroupLayout, hidden: int, ffn: int):
+    """(dx_RH, dw_GX): the input gradient and each group's flat weight gradient."""
+    w1, w2 = split_stacked(w_GX, hidden, ffn)
+    dyp = layout.pad(dy_RH)
+    h = F.gelu(a_PF)
+    da = torch.ops.aten.gelu_backward(torch._grouped_mm(dyp, w2.transpose(-2, -1), offs=layout.offs), a_PF)
+    dx = torch._grouped_mm(da, w1.transpose(-2, -1), offs=layout.offs)
+    dw1 = torch._grouped_mm(xp_PH.t(), da, offs=layout.offs)  # [G, H, F]
+    dw2 = torch._grouped_mm(h.t(), dyp, offs=layout.offs)  # [G, F, H]
+    g = w_GX.shape[0]
+    return layout.unpad(dx), torch.cat([dw1.reshape(g, -1), dw2.reshape(g, -1)], dim=1)
+
+
+def _stacked(read, instances, elems: int, like: torch.Tensor, dtype) -> torch.Tensor:
+    """[G, elems] weights of ``instances``, each read straight into its row."""
+    w = torch.empty((len(instances), elems), dtype=dtype, device=like.device)
+    for k, inst in enumerate(instances):
+        read(inst, w[k])
+    return w
+
+
+# ---- the autograd function ---------------------------------------------------------------------
+class PagedExpertFFN(torch.autograd.Function):
+    """Expert FFN whose weights are read from the paged store in the forward *and* again
+    in the backward, so no weight copy lives between the two (the pages may even have
+    left the device and come back). Weight gradients are added to ``grads[instance]``.
+
+    ``read(instance, out=None)`` returns (or fills ``out`` with) an expert's flat weights;
+    on CUDA it also makes compute wait for that expert's pending page copies only.
+    ``grouped`` picks the grouped kernel; ``timer`` (or None) times each expert (M18).
+    """
+
+    @staticmethod
+    def forward(ctx, x_RH, read, instances, counts, hidden, ffn, grads, timer=None, grouped=False):
+        used = [(i, n) for i, n in zip(instances, counts) if n > 0]
+        ctx.args = (read, used, hidden, ffn, grads, timer, grouped)
+        if not used:
+            ctx.save_for_backward(x_RH)
+            return x_RH.new_zeros((0, hidden))
+        if grouped:
+            w = _stacked(read, [i for i, _ in used], 2 * hidden * ffn, x_RH, x_RH.dtype)
+            layout = GroupLayout([n for _, n in used], x_RH.device)
+            t = _start(timer)
+            y, xp, a = grouped_forward(x_RH, w, layout, hidden, ffn)
+            _stop(timer, t, _row_shares(*zip(*used)))
+            ctx.layout = layout
+            ctx.save_for_backward(xp, a)
+            return y
+        out, start, pre = [], 0, []
+        for inst, n in used:
+            w1, w2 = split_flat(read(inst), hidden, ffn)
+            t = _start(timer)
+            a = x_RH[start:start + n] @ w1
+            pre.append(a)
+            out.append(F.gelu(a) @ w2)
+            _stop(timer, t, [(inst, 1.0)])
+            start += n
+        ctx.save_for_backward(x_RH, *pre)
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, dy_RH):
+        read, used, hidden, ffn, grads, timer, grouped = ctx.args
+        none = (None,) * 8
+        if not used:
+            (x_RH,) = ctx.saved_tensors
+            return (torch.zeros_like(x_RH),) + none
+        if grouped:
+            xp, a = ctx.saved_tensors
+            w = _stacked(read, [i for i, _ in used], 2 * hidden * ffn, xp, xp.dtype)
+            t = _start(timer)
+            dx, dw = grouped_backward(dy_RH.contiguous(), xp, a, w, ctx.layout, hidden, ffn)
+            _stop(timer, t, _row_shares(*zip(*used)))
+            for k, (inst, _) in enumerate(used):
+                grads[inst] = grads[inst] + dw[k] if inst in grads else dw[k]
+            return (dx,) + none
+        x_RH, *pre = ctx.saved_tensors
+        dx, start = [], 0
+        for k, (inst, n) in enumerate(used):
+            w1, w2 = split_flat(read(inst), hidden, ffn)
+            t = _start(timer)
+            x, a, dy = x_RH[start:start + n], pre[k], dy_RH[start:start + n]
+            h = F.gelu(a)
+            da = torch.ops.aten.gelu_backward(dy @ w2.t(), a)
+            g = torch.cat([(x.t() @ da).reshape(-1), (h.t() @ dy).reshape(-1)])
+            dx.append(da @ w1.t())
+            _stop(timer, t, [(inst, 1.0)])
+            grads[inst] = grads[inst] + g if inst in grads else g
+            start += n
+        return (torch.cat(dx),) + none
+
+
+def expert_ffn(x_RH: torch.Tensor, counts: list[int], flats: list[torch.Tensor | None],
+               hidden: int, ffn: int, grouped: bool | None = None) -> torch.Tensor:
+    """Rows ``x_RH`` grouped by expert (``counts`` rows each) through each expert's FFN,
+    without autograd bookkeeping (benchmarks). ``grouped`` None: where supported."""
     used = [(n, f) for n, f in zip(counts, flats) if n > 0]
-    if _grouped_ok(x_RH, used):
-        return _grouped(x_RH, used, hidden, ffn)
+    if not used:
+        return x_RH.new_zeros((0, hidden))
+    if grouped is None:
+        grouped = grouped_supported(x_RH.device, x_RH.dtype, hidden, ffn)
+    if grouped:
+        w = torch.stack([f for _, f in used])
+        y, _, _ = grouped_forward(x_RH, w, GroupLayout([n for n, _ in used], x_RH.device), hidden, ffn)
+        return y
     out, start = [], 0
     for n, flat in used:
         w1, w2 = split_flat(flat, hidden, ffn)
         out.append(F.gelu(x_RH[start:start + n] @ w1) @ w2)
         start += n
     return torch.cat(out)
-
-
-class PagedExpertFFN(torch.autograd.Function):
-    """Expert FFN whose weights are read from the paged store in the forward *and* again
-    in the backward, so no weight copy lives between the two (the pages may even have
-    left the device and come back). Weight gradients are added to ``grads[instance]``."""
-
-    @staticmethod
-    def forward(ctx, x_RH, read, instances, counts, hidden, ffn, grads):
-        flats = [read(i) if n > 0 else None for i, n in zip(instances, counts)]
-        out, start, pre = [], 0, []
-        for n, flat in zip(counts, flats):
-            if n == 0:
-                continue
-            w1, w2 = split_flat(flat, hidden, ffn)
-            a = x_RH[start:start + n] @ w1
-            pre.append(a)
-            out.append(F.gelu(a) @ w2)
-            start += n
-        ctx.save_for_backward(x_RH, *pre)
-        ctx.args = (read, instances, counts, hidden, ffn, grads)
-        return torch.cat(out) if out else x_RH.new_zeros((0, hidden))
-
-    @staticmethod
-    def backward(ctx, dy_RH):
-        x_RH, *pre = ctx.saved_tensors
-        read, instances, counts, hidden, ffn, grads = ctx.args
-        dx, start, k = [], 0, 0
-        for inst, n in zip(instances, counts):
-            if n == 0:
-                continue
-            w1, w2 = split_flat(read(inst), hidden, ffn)
-            x, a, dy = x_RH[start:start + n], pre[k], dy_RH[start:start + n]
-            h = F.gelu(a)
-            da = torch.ops.aten.gelu_backward(dy @ w2.t(), a)
-            g = torch.cat([(x.t() @ da).reshape(-1), (h.t() @ dy).reshape(-1)])
-            grads[inst] = grads[inst] + g if inst in grads else g
-            dx.append(da @ w1.t())
-            start += n
-            k += 1
-        return (torch.cat(dx) if dx else torch.zeros_like(x_RH)), None, None, None, None, None, None
-
-
-def _grouped_ok(x_RH, used) -> bool:
-    return (x_RH.is_cuda and x_RH.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and all(n % 16 == 0 for n, _ in used[:-1]))
-
-
-def _grouped(x_RH, used, hidden, ffn):
-    w1 = torch.stack([split_flat(f, hidden, ffn)[0] for _, f in used])
-    w2 = torch.stack([split_flat(f, hidden, ffn)[1] for _, f in used])
-    offs = torch.cumsum(torch.tensor([n for n, _ in used], device=x_RH.device), 0).to(torch.int32)
-    h = F.gelu(torch._grouped_mm(x_RH, w1, offs=offs))
-    return torch._grouped_mm(h, w2, offs=offs)
 
 
 def source_slots(experts_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from testbed.group_cache import CacheEvents
+from testbed.group_cache import CacheEvents, GroupCache
 from testbed.planner import Planner
 
 
@@ -48,6 +48,16 @@ class Groups:
         seconds = time.perf_counter() - t0
         self.created_s += seconds
         return seconds
+
+    def restore(self, cache: GroupCache) -> None:
+        """After a resume (M23): one communicator per group of a restored cache, created
+        in the cache's LRU order, which every rank's restored controller shares."""
+        for pg in self.cached.values():
+            self._retired.append(pg)
+        self.cached = {}
+        self.retire()
+        for members in cache._groups:  # GroupCache has no public iteration; its keys in LRU order
+            self.cached[members] = dist.new_group(list(members))
 
     def retire(self) -> None:
         """Destroy groups evicted this round, after the round's ops ran."""

@@ -1,15 +1,24 @@
-"""Starting the ranks of a real run on this machine, and noticing when one fails.
+"""Starting the ranks of a real run, and noticing when one fails.
 
-Ranks are separate processes (``spawn``) that meet through a file store in a private
-temporary folder, so concurrent runs never race for a port. Rank 0 streams each step's
-record to the parent through a queue. If a rank raises, or dies without a word (killed,
-out of memory), the parent stops every other rank at once and raises ``RunError``
-naming the rank: a run never hangs on a dead peer. Collectives also carry the scenario's
-``real.timeout_s``.
+Two ways, one entry point (``RealBackend.run``):
+
+- *spawned* (``run_ranks``): this process starts every rank of the scenario on this
+  machine as a separate process (``spawn``); they meet through a file store in a private
+  temporary folder, so concurrent runs never race for a port. Rank 0 streams each
+  step's record to the parent through a queue. If a rank raises, or dies without a word
+  (killed, out of memory), the parent stops every other rank at once and raises
+  ``RunError`` naming the rank: a run never hangs on a dead peer.
+- *under torchrun* (``run_in_process``): ``torchrun`` (or any launcher that sets
+  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT) started this process as
+  one rank; it joins the others through ``env://`` and runs its rank in-process, on
+  GPU ``LOCAL_RANK`` when there is one. torchrun's agent stops the job when a rank fails.
+
+Collectives carry the scenario's ``real.timeout_s`` either way.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue as queue_mod
@@ -23,12 +32,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from testbed.errors import RunError
+from real.worker import RankRunner
+from testbed.errors import RunError, ScenarioError
 from testbed.results import StepRecord
 from testbed.scenario import Scenario
 
 POLL_S = 0.2
 REPORTED_EXIT = 3  # a rank that raised and sent its error exits with this code
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> dict[str, str] | None:
+    """The launcher's variables when torchrun (or the like) started this process, else None."""
+    if all(v in os.environ for v in TORCHRUN_VARS):
+        return {v: os.environ[v] for v in TORCHRUN_VARS}
+    return None
 
 
 def pick_device(scenario: Scenario) -> str:
@@ -42,13 +60,10 @@ def pick_device(scenario: Scenario) -> str:
     return "cpu"
 
 
-def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: str, debug: dict | None):
+def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: str, debug: dict | None,
+               run_dir: str | None, resume):
     """Body of one rank process."""
     try:
-        from real.worker import (
-            RankRunner,  # the spawned child imports the model code itself
-        )
-
         scenario = Scenario.from_dict(scenario_dict)
         world = scenario.world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -60,11 +75,11 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: 
         if device_kind == "cuda":
             torch.cuda.set_device(device)
         runner = RankRunner(scenario, rank, device)
-
-        result = runner.run(lambda record: q.put(("step", rank, record.to_dict())), debug)
+        result = runner.run(lambda record: q.put(("step", rank, record.to_dict())), debug, run_dir, resume)
         # plain bytes: torch would pass tensors as shared-memory handles that die with this process
         q.put(("done", rank, pickle.dumps(result)))
-        dist.destroy_process_group()
+        del runner
+        _tear_down()
     except BaseException as e:  # report, then die: the parent stops the others
         q.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         q.close()
@@ -72,10 +87,12 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: 
         os._exit(REPORTED_EXIT)
 
 
-def run_ranks(scenario: Scenario, on_step, debug: dict | None = None) -> dict:
+def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: str | None = None,
+              resume=None) -> dict:
     """Run every rank on this machine; returns rank 0's final payload.
 
-    ``debug`` is for tests (see ``RankRunner.run``): make a rank die, capture tensors.
+    ``run_dir`` and ``resume``: see ``RankRunner.run``. ``debug`` is for tests (see
+    ``RankRunner.run``): make a rank die, capture tensors.
     """
     world = scenario.world_size
     device_kind = pick_device(scenario)
@@ -83,7 +100,8 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None) -> dict:
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="testbed-") as tmp:
         store_path = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, scenario.to_dict(), store_path, q, device_kind, debug),
+        procs = [ctx.Process(target=_rank_main,
+                             args=(r, scenario.to_dict(), store_path, q, device_kind, debug, run_dir, resume),
                              name=f"testbed-rank{r}") for r in range(world)]
         for p in procs:
             p.start()
@@ -137,3 +155,52 @@ def _collect(procs, q, on_step) -> dict:
         else:
             done[rank] = pickle.loads(msg[2])
     return done[0]
+
+
+def torchrun_device(scenario: Scenario, local_rank: int) -> torch.device:
+    """This rank's device under torchrun: GPU ``LOCAL_RANK`` when CUDA is there (and not
+    ``real.device = cpu``), else the CPU."""
+    want = scenario.real.device
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and local_rank >= gpus:
+        raise RunError(f"real.device = cuda: local rank {local_rank} has no GPU (this node has {gpus})")
+    if want != "cpu" and local_rank < gpus:
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run_in_process(scenario: Scenario, env: dict[str, str], on_step, debug: dict | None = None,
+                   run_dir: str | None = None, resume=None) -> dict | None:
+    """Run this process's rank of a torchrun job; rank 0 returns its final payload
+    (and calls ``on_step``), the other ranks None."""
+    rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    if world != scenario.world_size:
+        c = scenario.cluster
+        raise ScenarioError("cluster.gpus_per_node", c.gpus_per_node,
+                            f"torchrun started WORLD_SIZE = {world} ranks, but the scenario's cluster has "
+                            f"{scenario.world_size} GPUs (cluster.gpus_per_node x cluster.nodes_per_microcluster"
+                            f" x cluster.microclusters = {c.gpus_per_node} x {c.nodes_per_microcluster}"
+                            f" x {c.microclusters})")
+    device = torchrun_device(scenario, local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=scenario.real.timeout_s))
+    runner = RankRunner(scenario, rank, device)
+    result = runner.run(on_step if rank == 0 else (lambda record: None), debug, run_dir, resume)
+    del runner
+    _tear_down()
+    return result if rank == 0 else None
+
+
+def _tear_down() -> None:
+    """End this rank's process groups while the interpreter still runs.
+
+    Every rank leaves its last collective first (a barrier), then the groups are
+    destroyed and the rank's objects that hold them collected, so gloo joins its worker
+    threads now: left to interpreter shutdown, a worker thread that frees a finished
+    collective needs the GIL after it is gone, and the process aborts ("terminate called
+    without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

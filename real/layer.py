@@ -5,7 +5,9 @@ The token strategies differ only in how kept slots reach the experts and come ba
 (``exchange_plan``), ``allgather`` gathers every token of the EP group with its routing
 metadata and reduce-scatters the weighted partial outputs. Each expert sees its rows in
 the same *expert layout* (expert, source member, token, slot) whatever the strategy.
-Stage markers in the autograd graph time the backward stages.
+Stage markers in the autograd graph time the backward stages. With FP8 payloads (M22)
+token rows and their gradients travel compressed (``rank_state.codec``); routing
+metadata and probabilities never are (the planner counts them at full width).
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class LayerRunner:
         routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
                         noise_generator(s.run.seed, step, layer, r.rank))
         probs_TK = mark(routing.probs_TK, clock, "route_backward")
-        counts = comm.all_gather(routing.routed_E.to(torch.int32).cpu(), r.groups.world, r.groups.get(r.groups.world))
-        plan = r.controller.forward_layer(layer, counts.view(r.layout.world, -1).numpy())
+        # on the device: NCCL gathers device tensors only
+        counts = comm.all_gather(routing.routed_E.to(torch.int32), r.groups.world, r.groups.get(r.groups.world))
+        plan = r.controller.forward_layer(layer, counts.view(r.layout.world, -1).cpu().numpy())
         if not np.array_equal(plan.kept[r.rank], routing.kept_E.cpu().numpy()):
             raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
         clock.switch("paging")
@@ -69,7 +72,7 @@ class LayerRunner:
         expert_in = mark(expert_in, clock, "dispatch_backward")
         instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
         y_RH = PagedExpertFFN.apply(expert_in, r.read_weights, instances, counts_e,
-                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads)
+                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped)
         y_RH = mark(y_RH, clock, "experts_backward")
         clock.switch("combine")
         # the backward of this layer starts here: bring its experts' pages back first
@@ -96,14 +99,16 @@ class LayerRunner:
         for st, perm in zip(xp.stages, perms):
             buf = buf.index_select(0, perm)
             if len(st.group) > 1:
-                buf = AllToAll.apply(buf, r.comm, st.send_splits, st.recv_splits, st.group, r.groups.get(st.group))
+                buf = AllToAll.apply(buf, r.comm, st.send_splits, st.recv_splits, st.group, r.groups.get(st.group),
+                                     r.codec)
         expert_in = buf.index_select(0, expert_rows)
 
         def combine(y_RH):
             back = y_RH.index_select(0, inverse(expert_rows))
             for st, perm in zip(reversed(xp.stages), reversed(perms)):
                 if len(st.group) > 1:
-                    back = AllToAll.apply(back, r.comm, st.recv_splits, st.send_splits, st.group, r.groups.get(st.group))
+                    back = AllToAll.apply(back, r.comm, st.recv_splits, st.send_splits, st.group,
+                                          r.groups.get(st.group), r.codec)
                 back = back.index_select(0, inverse(perm))
             return combine_slots(back, slot_idx, probs_TK, tokens)
 
@@ -115,7 +120,7 @@ class LayerRunner:
         members = tuple(sorted(lay.ep_group(int(lay.group_of[r.rank]))))
         pg = r.groups.get(members)
         top_k = probs_TK.shape[1]
-        x_all = AllGather.apply(x_TH.contiguous(), r.comm, members, pg)  # [P*T, H]
+        x_all = AllGather.apply(x_TH.contiguous(), r.comm, members, pg, r.codec)  # [P*T, H]
         masked = torch.where(routing.keep_TK, routing.experts_TK, -1).to(torch.int32)
         e_all = r.comm.all_gather(masked.contiguous(), members, pg).reshape(-1).long()  # (src, t, k)
         p_all = AllGather.apply(probs_TK.contiguous(), r.comm, members, pg).reshape(-1)
@@ -129,6 +134,6 @@ class LayerRunner:
         def combine(y_RH):
             w_R = p_all.index_select(0, mine).to(y_RH.dtype)
             partial = y_RH.new_zeros((x_all.shape[0], y_RH.shape[1])).index_add(0, rows, y_RH * w_R[:, None])
-            return ReduceScatter.apply(partial, r.comm, members, pg)
+            return ReduceScatter.apply(partial, r.comm, members, pg, r.codec)
 
         return expert_in, counts_e, combine

@@ -2,16 +2,34 @@
 
 The shared pager (``testbed.pager.RankPager``) decides; this store executes its
 ``PageMoves`` as tensor copies between a *host pool* (every page's home; pinned memory
-on CUDA) and a *device pool* of page-sized slots. It keeps its own mirror of where each
+on CUDA) and a *device pool* of page-sized slots, allocated once for the pager's budget
+(slots beyond it, which the pager takes only when every resident page is pinned, are
+allocated while in use). It keeps its own mirror of where each
 page's current data is, updated only as moves are executed, so a read is always
 consistent with the data even while the pager's table already shows moves that are
 still to run.
 
 An expert's weights are one flat vector of ``2 * H * F`` elements (w1 then w2); page p
 holds elements ``[p * page_elems, (p + 1) * page_elems)`` (the last page less).
+
+On CUDA the copies run on a side stream (``copy_stream``) and are not waited for when
+they are issued: after the last copy of each expert an event is recorded, and whoever
+reads or updates that expert's pages makes its own stream wait for that event only.
+So the copies overlap the dispatch all-to-all that follows them, and an expert computes
+as soon as *its* pages arrived while the next expert's pages are still on the way
+(expert-granular pipelining, M14; the grouped GEMM waits for all of its experts). The
+time compute spent waiting is measured with events (``settle``). On CPU copies are
+synchronous.
+
+The *logical* value of a page is its data wherever the current copy is (the slot of a
+GPU page, the host pool otherwise; a stale page has none). ``modified`` marks pages
+whose logical value changed since the last optimizer checkpoint (M23): optimizer
+updates and refreshes from a peer; loads and evictions move data without changing it.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -29,23 +47,40 @@ class PagedExpertStore:
         self.pager = pager
         self.expert_elems = expert_elems
         self.dtype, self.device = dtype, device
+        self.cuda = device.type == "cuda"
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.page_elems = pager.page_size // self.elem
         self.slot_elems = min(self.page_elems, expert_elems)
-        pin = device.type == "cuda"
         self.host = {}
         for i in pager.experts:
             t = init_flat(int(i)).to(dtype).contiguous()
-            self.host[int(i)] = t.pin_memory() if pin else t
-        self.slots: dict[int, torch.Tensor] = {}
+            self.host[int(i)] = t.pin_memory() if self.cuda else t
+        self.pool = torch.empty((pager.capacity_slots, self.slot_elems), dtype=dtype, device=device)
+        self.overflow: dict[int, torch.Tensor] = {}  # slots >= capacity, while in use
         # mirror of the data's whereabouts, per page (pager page numbering)
         self.loc = np.full(len(pager.location), HOST, dtype=np.int8)
         self.slot_of = np.full(len(pager.location), -1, dtype=np.int64)
+        self.modified = np.zeros(len(pager.location), dtype=bool)
+        self._pages = {int(inst): range(k * pager.pages_per_expert, (k + 1) * pager.pages_per_expert)
+                       for k, inst in enumerate(pager.experts)}  # instance -> its page numbers
         self.copied_bytes = 0
-        on_gpu = np.flatnonzero(pager.location == GPU)
-        for p in on_gpu:  # initial residency as the pager placed it
-            self._to_slot(int(p), int(pager.slot[p]), self._host_view(int(p)))
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._ready: dict[int, torch.cuda.Event] = {}  # instance -> event after its last copy
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (compute, copy)
+        self._mirror_pager()
         self.copied_bytes = 0  # the initial load is not a step's traffic
+
+    def _mirror_pager(self) -> None:
+        """Put every page the pager has on the GPU into its slot, from the host pool."""
+        self.overflow.clear()
+        self.loc[:] = HOST
+        self.slot_of[:] = -1
+        self.loc[self.pager.location == NONE] = NONE
+        with self._on_copy_stream():
+            for p in np.flatnonzero(self.pager.location == GPU):
+                self._to_slot(int(p), int(self.pager.slot[p]), self._host_view(int(p)))
+        if self.cuda:
+            self.copy_stream.synchronize()
 
     # ---- page geometry ------------------------------------------------------------------
     def _page_range(self, page: int) -> tuple[int, int, int]:
@@ -59,64 +94,131 @@ class PagedExpertStore:
         return self.host[inst][start:start + n]
 
     def _slot_tensor(self, slot: int) -> torch.Tensor:
-        if slot not in self.slots:
-            self.slots[slot] = torch.empty(self.slot_elems, dtype=self.dtype, device=self.device)
-        return self.slots[slot]
+        if slot < len(self.pool):
+            return self.pool[slot]
+        if slot not in self.overflow:
+            self.overflow[slot] = torch.empty(self.slot_elems, dtype=self.dtype, device=self.device)
+            self._keep_alive(self.overflow[slot])
+        return self.overflow[slot]
 
     def _to_slot(self, page: int, slot: int, data: torch.Tensor) -> None:
+        """Copy ``data`` into ``slot`` (on the copy stream: callers enter it)."""
         self._slot_tensor(slot)[:data.numel()].copy_(data, non_blocking=True)
+        self._keep_alive(data)
         self.loc[page], self.slot_of[page] = GPU, slot
         self.copied_bytes += data.numel() * self.elem
+
+    # ---- CUDA streams and events ----------------------------------------------------------
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
+
+    def _keep_alive(self, *tensors) -> None:
+        """Device tensors used on the copy stream are not reused by the allocator before
+        the copy stream is done with them."""
+        if self.cuda:
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(self.copy_stream)
+
+    def _copied(self, instance: int) -> None:
+        """The copies issued so far cover ``instance``: record its ready event."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.copy_stream)
+            self._ready[instance] = ev
+
+    def wait_for(self, instance: int) -> None:
+        """Make the current stream wait for the pending copies of ``instance`` (no-op on CPU)."""
+        ev = self._ready.get(instance) if self.cuda else None
+        if ev is None:
+            return
+        here = torch.cuda.Event(enable_timing=True)
+        here.record()
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        self._waits.append((here, ev))
+
+    def _host_ready(self, instance: int) -> None:
+        """The CPU is about to touch ``instance``'s host pool: its copies must be done."""
+        ev = self._ready.get(instance) if self.cuda else None
+        if ev is not None:
+            ev.synchronize()
+
+    def settle(self) -> float:
+        """Wait for every copy; returns the seconds compute waited for pages since the
+        last ``settle`` (CUDA: from events; CPU: 0, the caller times synchronous copies)."""
+        if not self.cuda:
+            return 0.0
+        self.copy_stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        stall = sum(max(0.0, here.elapsed_time(ev)) for here, ev in self._waits) * 1e-3
+        self._waits.clear()
+        self._ready.clear()
+        return stall
 
     # ---- executing the pager's decisions ------------------------------------------------------
     def execute(self, moves: PageMoves, incoming: dict[int, torch.Tensor] | None = None) -> int:
         """Carry out ``moves`` in order; returns bytes copied host<->device.
 
         ``incoming[instance]`` holds the flat weights received from a peer for the
-        ``refresh`` rows (M9/M16).
+        ``refresh`` rows (M9/M16). On CUDA the copies are only issued (see the module doc).
         """
         host_device = 0
-        for k in range(len(moves)):
-            page = self.pager.pages_of(int(moves.expert[k])).start + int(moves.page[k])
-            slot = int(moves.slot[k])
-            src, dst, reason = int(moves.src[k]), int(moves.dst[k]), int(moves.reason[k])
+        if self.cuda:  # copies come after every queued read or update of the slots
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_copy_stream():
+            host_device = self._execute(moves, incoming)
+        self._free_unused_slots()
+        return host_device
+
+    def _execute(self, moves: PageMoves, incoming) -> int:
+        host_device = 0
+        experts = moves.expert.tolist()  # plain ints: this loop runs once per page
+        rows = zip(experts, moves.page.tolist(), moves.slot.tolist(), moves.src.tolist(), moves.dst.tolist(),
+                   moves.reason.tolist(), moves.nbytes.tolist())
+        for k, (inst, index, slot, src, dst, reason, nbytes) in enumerate(rows):
+            page = self._pages[inst][index]
             if reason == UPDATE:
                 continue  # the gradient is shipped by ``update``
             if dst == GPU and src == HOST:
-                self._to_slot(page, slot, self._host_view(page))
-                host_device += self._host_view(page).numel() * self.elem
+                view = self._host_view(page)
+                self._to_slot(page, slot, view)
+                host_device += view.numel() * self.elem
             elif dst == GPU and src == PEER:
-                inst, start, n = self._page_range(page)
+                _, start, n = self._page_range(page)
                 self._to_slot(page, slot, incoming[inst][start:start + n].to(self.device))
+                self.modified[page] = True  # new weights arrived (M23 tracks them)
             elif src == GPU and dst == HOST:
                 old = int(self.slot_of[page])
-                if moves.nbytes[k] > 0:  # dirty: write back before the slot is reused (M15)
+                if nbytes > 0:  # dirty: write back before the slot is reused (M15)
                     view = self._host_view(page)
-                    view.copy_(self.slots[old][:view.numel()])
+                    view.copy_(self._slot_tensor(old)[:view.numel()], non_blocking=True)
                     self.copied_bytes += view.numel() * self.elem
                     host_device += view.numel() * self.elem
                 self.loc[page], self.slot_of[page] = HOST, -1
             elif dst == NONE:
                 self.loc[page], self.slot_of[page] = NONE, -1
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self._free_unused_slots()
+            if k + 1 == len(experts) or experts[k + 1] != inst:
+                self._copied(inst)
         return host_device
 
     def _free_unused_slots(self) -> None:
         live = set(self.slot_of[self.loc == GPU].tolist())
-        for s in [s for s in self.slots if s not in live]:
-            del self.slots[s]
+        for s in [s for s in self.overflow if s not in live]:
+            del self.overflow[s]
 
     # ---- reading and writing weights ------------------------------------------------------------
-    def read(self, instance: int) -> torch.Tensor:
-        """The current flat weights of ``instance`` (a copy), from wherever each page is."""
-        out = torch.empty(self.expert_elems, dtype=self.dtype, device=self.device)
-        for page in range(self.pager.pages_of(instance).start, self.pager.pages_of(instance).stop):
+    def read(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The current flat weights of ``instance`` (a copy, into ``out`` if given), from
+        wherever each page is."""
+        self.wait_for(instance)
+        if out is None:
+            out = torch.empty(self.expert_elems, dtype=self.dtype, device=self.device)
+        for page in self._pages[instance]:
             _, start, n = self._page_range(page)
             if self.loc[page] == GPU:
-                out[start:start + n] = self.slots[int(self.slot_of[page])][:n]
+                out[start:start + n] = self._slot_tensor(int(self.slot_of[page]))[:n]
             elif self.loc[page] == HOST:
+                # blocking: the CPU may update this host page right after
                 out[start:start + n] = self._host_view(page).to(self.device)
             else:
                 raise RuntimeError(f"expert instance {instance}: page {page} has no valid copy (stale replica)")
@@ -129,22 +231,55 @@ class PagedExpertStore:
         on the host, which needs their gradient there: that copy is real and its bytes
         (the pager's ``update`` rows) are returned.
         """
+        self.wait_for(instance)
+        self._host_ready(instance)
         shipped = 0
-        for page in range(self.pager.pages_of(instance).start, self.pager.pages_of(instance).stop):
+        for page in self._pages[instance]:
             _, start, n = self._page_range(page)
             g = grad_flat[start:start + n]
             if self.loc[page] == GPU:
-                w = self.slots[int(self.slot_of[page])][:n]
+                w = self._slot_tensor(int(self.slot_of[page]))[:n]
                 w.copy_(w - lr * g)
+                self.modified[page] = True
             elif self.loc[page] == HOST:
                 staged = g.to("cpu", copy=True)  # the gradient crosses PCIe to the host
                 shipped += staged.numel() * self.elem
                 w = self._host_view(page)
                 w.copy_(w - lr * staged)
+                self.modified[page] = True
         self.copied_bytes += shipped
         return shipped
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of the device slots in use."""
-        return len(self.slots) * self.slot_elems * self.elem
+        """Bytes of the device slots in use (the pool's occupied slots and any overflow)."""
+        return int(np.count_nonzero(self.loc == GPU)) * self.slot_elems * self.elem
+
+    # ---- checkpoints (M23) ------------------------------------------------------------------------
+    def snapshot(self, only_modified: bool) -> dict[int, torch.Tensor]:
+        """Logical values (CPU copies) of every page, or of the pages modified since the
+        last ``clear_modified``; stale pages have none and are left out."""
+        self.settle()
+        wanted = self.modified if only_modified else np.ones(len(self.loc), dtype=bool)
+        out = {}
+        for page in np.flatnonzero(wanted & (self.loc != NONE)):
+            page = int(page)
+            _, _, n = self._page_range(page)
+            if self.loc[page] == GPU:
+                out[page] = self._slot_tensor(int(self.slot_of[page]))[:n].to("cpu", copy=True)
+            else:
+                out[page] = self._host_view(page).clone()
+        return out
+
+    def clear_modified(self) -> None:
+        self.modified[:] = False
+
+    def restore(self, pager: RankPager, pages: dict[int, torch.Tensor]) -> None:
+        """Take over ``pager`` (a restored page table) and the pages' logical values:
+        host pool first, then every page the pager has on the GPU into its slot."""
+        self.settle()
+        self.pager = pager
+        for page, data in pages.items():
+            self._host_view(int(page)).copy_(data)
+        self._mirror_pager()
+        self.modified[:] = False

@@ -8,17 +8,22 @@ executes page moves and replica refreshes for the layers and the step loop.
 Weights: expert instance i starts from a generator seeded by (run.seed, i), the same on
 every replica and in the single-process reference. With ``real.check_weights`` the rank
 keeps an unpaged copy that the step loop checks the pages against.
+
+Checkpoints (M23) see the expert weights as *pages*: the store's pages, or one page per
+expert instance when paging is off (``weight_pages`` / ``restore``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from real.clock import StageClock
-from real.comm import Comm
+from real.comm import Comm, PayloadCodec
+from real.experts import ExpertTimer, grouped_supported
 from real.groups import Groups
 from real.layer import seed_of
 from real.paged_store import PagedExpertStore
@@ -67,6 +72,9 @@ class RankState:
         self.comm = Comm(self.rank, self.ledger, lambda: self.clock.current or "route")
         self.groups = Groups(self.planner)
         m = s.model
+        self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None
+        self.timer = ExpertTimer(self.device.type == "cuda") if s.heat.compute_source == "measured" else None
+        self.grouped = grouped_supported(self.device, self.dtype, m.hidden_size, m.ffn_hidden_size)
         self.router = []
         for layer in range(m.num_layers):
             w, b = initial_router(s.run.seed, layer, s)
@@ -75,7 +83,7 @@ class RankState:
         self.store = None
         self.unpaged: dict[int, torch.Tensor] = {}
         if s.pager.enabled:
-            self.store = PagedExpertStore(self.controller.pagers[self.rank], m.expert_params,
+            self.store = PagedExpertStore(self.controller.pager_of(self.rank), m.expert_params,
                                           self.dtype, self.device, init)
         else:
             for i in self.controller.local_instances(self.rank):
@@ -83,6 +91,7 @@ class RankState:
         self.shadow = ({int(i): init(int(i)).to(self.device, self.dtype)
                         for i in self.controller.local_instances(self.rank)}
                        if s.real.check_weights else None)
+        self.modified: set[int] = set()  # unpaged instances changed since the last optimizer checkpoint
         self.grads: dict[int, torch.Tensor] = {}  # this step's expert weight gradients
         self.page_bytes = 0
         self.page_moves = 0
@@ -97,8 +106,51 @@ class RankState:
         self.comm.ledger = self.ledger
 
     # ---- expert weights ----------------------------------------------------------------------
-    def read_weights(self, instance: int) -> torch.Tensor:
-        return self.store.read(instance) if self.store else self.unpaged[instance].clone()
+    def read_weights(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """An expert's flat weights (a copy, into ``out`` if given)."""
+        if self.store:
+            return self.store.read(instance, out)
+        return out.copy_(self.unpaged[instance]) if out is not None else self.unpaged[instance].clone()
+
+    def set_unpaged(self, instance: int, flat: torch.Tensor) -> None:
+        self.unpaged[instance] = flat
+        self.modified.add(instance)
+
+    # ---- checkpoints (M23) ----------------------------------------------------------------------
+    def weight_pages(self, only_modified: bool) -> dict[int, torch.Tensor]:
+        """CPU copies of the expert weight pages (all, or changed since ``clear_modified``)."""
+        if self.store is not None:
+            return self.store.snapshot(only_modified)
+        keys = self.modified if only_modified else self.unpaged.keys()
+        return {int(i): self.unpaged[int(i)].to("cpu", copy=True) for i in sorted(keys)}
+
+    def clear_modified(self) -> None:
+        if self.store is not None:
+            self.store.clear_modified()
+        self.modified.clear()
+
+    def restore(self, controller: Controller, router: list, pages: dict[int, torch.Tensor]) -> None:
+        """Take over a checkpoint: the controller (policies, page table, caches), the
+        router parameters and the expert weight pages; the cached process groups of the
+        restored group cache are created again (same order on every rank)."""
+        self.controller = controller
+        self.planner = controller.planner
+        with torch.no_grad():
+            for (w, b), (w0, b0) in zip(self.router, router):
+                w.copy_(w0)
+                b.copy_(b0)
+        if self.store is not None:
+            self.store.restore(controller.pager_of(self.rank), pages)
+        else:
+            for i, flat in pages.items():
+                self.unpaged[int(i)] = flat.to(self.device, self.dtype)
+        self.clear_modified()
+        if self.shadow is not None:  # the reference copy of every up-to-date replica
+            g = self.layout.group_of[self.rank]
+            for i in self.controller.local_instances(self.rank):
+                if controller.fresh[int(i), g]:
+                    self.shadow[int(i)] = self.read_weights(int(i))
+        self.groups.restore(controller.cache)
 
     # ---- paging -------------------------------------------------------------------------------
     def execute_moves(self, moves: PageMoves | None, incoming=None, forward: bool = False) -> None:
@@ -108,8 +160,13 @@ class RankState:
         nbytes = self.store.execute(moves, incoming)
         self.ledger.add_pcie("paging", nbytes)
         self.page_moves += page_move_count(moves)
-        if forward:  # compute waits for these copies (M14 pipelining would hide part of it)
+        if forward and not self.store.cuda:  # CPU copies are synchronous: compute waited for them
             self.stall_s += time.perf_counter() - t0
+
+    def settle_pages(self) -> None:
+        """End of step: every page copy done; on CUDA add the measured compute stall (M14)."""
+        if self.store is not None:
+            self.stall_s += self.store.settle()
 
     def backward_pages(self, layer: int) -> None:
         """Start of a layer's backward: reload the pages of its experts (stage paging)."""
@@ -138,12 +195,19 @@ class RankState:
             if self.shadow is not None:
                 self.shadow[inst] = flat.clone()
             if self.store is None:
-                self.unpaged[inst] = flat.clone()
+                self.set_unpaged(inst, flat.clone())
         self._incoming = incoming
 
     def take_incoming(self):
         incoming, self._incoming = getattr(self, "_incoming", {}), {}
         return incoming
+
+
+def fp8_grad_scale(scenario: Scenario) -> float:
+    """The power of two that brings payload gradients to O(1) for FP8 (M22): the loss is
+    a mean over tokens x hidden x ranks, so that is what the gradients are divided by."""
+    n = scenario.workload.tokens_per_rank * scenario.model.hidden_size * scenario.world_size
+    return float(2 ** round(math.log2(n)))
 
 
 class ActivationMeter:

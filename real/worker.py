@@ -7,21 +7,32 @@ plain SGD on router and experts (expert pages updated wherever they live), and t
 heat update with its page moves. Each step's metrics are gathered on rank 0, which
 hands a ``StepRecord`` to ``report`` (the launcher streams it into the run folder).
 
+Around the steps: a resumed run first restores the latest complete checkpoint and
+starts from its step; after each step the due checkpoints are written (M23, in the
+background); with ``real.profile`` the steps after warm-up run under ``torch.profiler``
+and each rank writes ``torch_trace_rank<r>.json`` into the run folder. With
+``heat.compute_source = "measured"`` compute heat is the expert kernel seconds of every
+replica, summed over ranks (an all-reduce in the ``heat`` stage) so that every rank's
+controller is told the same (M18).
+
 The rank's state (weights, pager, groups, collectives) is a ``RankState``.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from real.checkpoint import Checkpointer, checkpoint_dir
 from real.layer import LayerRunner
 from real.rank_state import ActivationMeter, RankState
 from real.task import SyntheticTask
-from testbed.errors import RunError
+from testbed.errors import RunError, ScenarioError
 from testbed.planner import padded_elements
 from testbed.results import StepRecord
 from testbed.scenario import Scenario
@@ -40,22 +51,45 @@ class RankRunner:
         self.routing: list[np.ndarray] = []  # rank 0: [L, W, E] per step
         self.trace: list[dict] = []
 
-    def run(self, report, debug: dict | None = None) -> dict:
-        """All steps; rank 0 hands each record to ``report``.
+    def run(self, report, debug: dict | None = None, run_dir: str | None = None, resume=None) -> dict:
+        """All steps (from the resume point on); rank 0 hands each record to ``report``.
 
+        ``run_dir``: the run folder (checkpoints and profiler traces go there).
+        ``resume``: None = a fresh run; True = from the latest checkpoint complete on
+        every rank; an int = from the checkpoint at that step.
         ``debug`` (tests): ``fail_at`` = {"rank": r, "after_steps": n} makes rank r die
-        abruptly after n steps; ``capture`` = True returns every rank's first-step
-        outputs, synced expert gradients, router gradients and updated weights.
+        abruptly once n steps are done; ``capture`` = True returns every rank's first-step
+        outputs, synced expert gradients, router gradients and updated weights, and its
+        final weights.
         """
         debug = debug or {}
         fail_at = debug.get("fail_at")
         self.capture = {} if debug.get("capture") else None
-        for step in range(self.s.run.steps):
-            record = self.step(step)
-            if self.st.rank == 0:
+        s, st = self.s, self.st
+        ckpt = None
+        if s.checkpoint.enabled:
+            ckpt = Checkpointer(s, st.rank, checkpoint_dir(s, run_dir))
+        first = 0
+        if resume is not None and resume is not False:
+            if ckpt is None:
+                raise ScenarioError("checkpoint.enabled", False, "resuming needs the run's checkpoints")
+            first = ckpt.resume_point(None if resume is True else int(resume))
+            self.routing = ckpt.restore(first, st)  # rank 0: the routing of steps 0 .. first-1
+        self.first_step = first
+        profiler = _Profiler(s, st, run_dir)
+        for step in range(first, s.run.steps):
+            profiler.before(step)
+            with profiler.step(step):
+                record = self.step(step)
+            if st.rank == 0:
                 report(record)
-            if fail_at and fail_at["rank"] == self.st.rank and step + 1 >= fail_at["after_steps"]:
+            if ckpt is not None:
+                ckpt.after_step(step + 1, st, self.routing[-1] if st.rank == 0 else None)
+            if fail_at and fail_at["rank"] == st.rank and step + 1 >= fail_at["after_steps"]:
                 os._exit(9)
+        profiler.finish()
+        if ckpt is not None:
+            ckpt.close()  # every queued write on disk before the rank reports success
         return self._finish()
 
     def step(self, step: int) -> StepRecord | None:
@@ -92,9 +126,10 @@ class RankRunner:
             self.capture["experts_after"] = {int(i): st.read_weights(int(i)) for i in st.controller.local_instances(st.rank)
                                              if st.controller.fresh[int(i), g]}
         st.clock.switch("heat")
-        end = st.controller.end_step()
+        end = st.controller.end_step(self._measured_heat() if st.timer is not None else None)
         st.clock.switch("paging")
         st.execute_moves(end.page_moves.get(st.rank))
+        st.settle_pages()
         self._check_weights()
         st.clock.switch(None)
         step_time = st.clock.now() - t_start
@@ -109,7 +144,7 @@ class RankRunner:
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
         }
         for name, t0, t1 in regions:
-            self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": _stream_of(name),
+            self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         gathered = [None] * self.world if st.rank == 0 else None
         dist.gather_object(local, gathered, dst=0)
@@ -120,6 +155,19 @@ class RankRunner:
         if end.heat is not None:
             states = {name: int((end.heat.states == code).sum()) for code, name in enumerate(("hot", "warm", "cold"))}
         return _merge(step, gathered, int(sum(r.sum() for r in routed)), dropped, cache, states)
+
+    def _measured_heat(self) -> np.ndarray:
+        """Expert kernel seconds per instance [L*E], summed over every replica and rank
+        (M18 compute heat from measurement; every controller must be told the same)."""
+        st = self.st
+        if st.device.type == "cuda":
+            torch.cuda.synchronize(st.device)
+        seconds = np.zeros(self.s.model.num_layers * self.s.model.num_experts)
+        for inst, sec in st.timer.collect().items():
+            seconds[inst] += sec
+        buf = torch.from_numpy(seconds).to(st.device)
+        st.comm.all_reduce(buf, st.groups.world, st.groups.get(st.groups.world))
+        return buf.cpu().numpy()
 
     # ---- after the backward ----------------------------------------------------------------------
     def _grad(self, instance: int) -> torch.Tensor:
@@ -204,7 +252,7 @@ class RankRunner:
                     shipped = st.store.update(inst, g, lr)
                     st.ledger.add_pcie("paging", shipped)
                 else:
-                    st.unpaged[inst] = st.unpaged[inst] - lr * g
+                    st.set_unpaged(inst, st.unpaged[inst] - lr * g)
                 if st.shadow is not None:
                     st.shadow[inst] = st.shadow[inst] - lr * g
         st.execute_moves(self.sync_plan.page_moves.get(st.rank))
@@ -219,6 +267,14 @@ class RankRunner:
                 raise RunError(f"rank {st.rank}: paged weights of expert instance {inst} differ from the reference copy")
 
     def _finish(self) -> dict:
+        st = self.st
+        if self.capture is not None:
+            g = st.layout.group_of[st.rank]
+            self.capture["final_experts"] = {int(i): st.read_weights(int(i)).cpu()
+                                             for i in st.controller.local_instances(st.rank)
+                                             if st.controller.fresh[int(i), g]}
+            self.capture["final_router"] = [(w.detach().cpu().clone(), b.detach().cpu().clone()) for w, b in st.router]
+            self.capture["heat_states"] = st.controller.heat.states
         events = [None] * self.world if self.st.rank == 0 else None
         dist.gather_object(self.trace, events, dst=0)
         captured = [None] * self.world if self.st.rank == 0 else None
@@ -227,12 +283,45 @@ class RankRunner:
         if self.st.rank != 0:
             return {}
         trace = [e for per_rank in events for e in per_rank]
-        return {"trace": trace, "routing": np.stack(self.routing),
-                "group_create_s": self.st.groups.created_s,
+        return {"trace": trace, "routing": np.stack(self.routing) if self.routing else None,
+                "group_create_s": self.st.groups.created_s, "first_step": self.first_step,
                 "captured": captured if self.capture is not None else None}
 
 
-def _stream_of(stage: str) -> str:
+class _Profiler:
+    """``torch.profiler`` over the steps after warm-up (``real.profile``); each rank
+    writes ``torch_trace_rank<r>.json`` (Chrome trace) into the run folder."""
+
+    def __init__(self, scenario: Scenario, state: RankState, run_dir: str | None):
+        self.on = scenario.real.profile and run_dir is not None
+        self.warmup = scenario.run.warmup_steps
+        self.path = Path(run_dir) / f"torch_trace_rank{state.rank}.json" if run_dir is not None else None
+        self.prof = None
+        self.cuda = state.device.type == "cuda"
+
+    def before(self, step: int) -> None:
+        if self.on and self.prof is None and step >= self.warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+
+    def step(self, step: int):
+        if self.prof is None:
+            return nullcontext()
+        return torch.profiler.record_function(f"step {step}")
+
+    def finish(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.path))
+            self.prof = None
+
+
+def stream_of(stage: str) -> str:
+    """The stream a stage's region is drawn on in the trace (compute, comm or copy)."""
     if stage in ("paging",):
         return "copy"
     if stage in ("experts", "experts_backward", "optimizer", "heat", "route", "route_backward"):

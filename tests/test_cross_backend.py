@@ -8,24 +8,26 @@ from testbed.runner import run_scenario
 from testbed.scenario import Scenario
 
 
-def scenario(tmp_path, token, sync):
+def scenario(tmp_path, token, sync, payload="model"):
     return Scenario.from_dict({
         "model": {"hidden_size": 32, "ffn_hidden_size": 64},
         "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 2},
         "parallelism": {"ep_size": 2},
         "pager": {"page_size_bytes": "4KiB", "gpu_budget_bytes": "40KiB"},
         "heat": {"update_interval": 2, "window_steps": 2},
-        "comm": {"token_strategy": token, "expert_sync": sync},
+        "comm": {"token_strategy": token, "expert_sync": sync, "payload_dtype": payload},
         "workload": {"tokens_per_rank": 96},
         "run": {"steps": 5, "warmup_steps": 1, "output_dir": str(tmp_path)},
         "real": {"check_weights": True},  # every rank checks its pages each step
     })
 
 
-@pytest.mark.parametrize("token, sync", [("alltoall", "two_stage"), ("allgather", "allreduce"),
-                                         ("hierarchical", "two_stage")])
-def test_real_run_and_its_replay_move_the_same_bytes(tmp_path, token, sync):
-    s = scenario(tmp_path, token, sync)
+@pytest.mark.parametrize("token, sync, payload", [
+    ("alltoall", "two_stage", "model"), ("allgather", "allreduce", "model"), ("hierarchical", "two_stage", "model"),
+    ("alltoall", "allreduce", "fp8"), ("allgather", "two_stage", "fp8"),  # M22: FP8 payloads, 1 byte per element
+])
+def test_real_run_and_its_replay_move_the_same_bytes(tmp_path, token, sync, payload):
+    s = scenario(tmp_path, token, sync, payload)
     real = run_scenario(s, "real")
     replay = run_scenario(s.replace(workload={"trace": real["run_dir"]}), "sim")
     assert real["bytes_by_stage"] == replay["bytes_by_stage"]

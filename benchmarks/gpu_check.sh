@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU check of the real backend (issue 4, item 9), one script, a few minutes on one H200:
+#   1. the CUDA tests (tests/real/test_cuda.py: grouped GEMM vs loop, side-stream paging,
+#      FP8 codec, one rank training on one GPU with a profiler trace);
+#   2. benchmarks/gpu_bench.py: grouped expert GEMM vs torch.bmm, page copy GB/s vs the
+#      pinned-copy ceiling, copies hidden behind expert compute, router + permutation share,
+#      each line with its goal and PASS / MISS.
+# Without CUDA it says so, runs the benchmark's CPU-side parts (labelled "CPU, not a goal
+# check") and exits 0. Needs torch and numpy only (no simpy, no network); pytest is used
+# when installed. The exit status is 1 only when a test failed or the benchmark crashed:
+# a MISS is a measurement, not a failure.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+ts() { date +%H:%M:%S; }
+
+echo "[$(ts)] gpu_check in $PWD: $($PY -c 'import torch; print("torch", torch.__version__)')"
+status=0
+if $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "[$(ts)] CUDA tests"
+    if $PY -c 'import pytest' 2>/dev/null; then
+        $PY -m pytest -m cuda -q -p no:cacheprovider tests/real/test_cuda.py || status=1
+    else
+        $PY tests/real/test_cuda.py || status=1
+    fi
+else
+    echo "[$(ts)] CUDA is absent: no CUDA tests; the benchmark runs its CPU-side parts (CPU, not a goal check)"
+fi
+echo "[$(ts)] benchmark"
+$PY benchmarks/gpu_bench.py || status=1
+echo "[$(ts)] gpu_check done (status $status)"
+exit $status
