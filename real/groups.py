@@ -56,7 +56,7 @@ class Groups:
             self._retired.append(pg)
         self.cached = {}
         self.retire()
-        for members in cache._groups:  # GroupCache has no public iteration; its keys in LRU order
+        for members in cache.groups():  # least recently used first
             self.cached[members] = dist.new_group(list(members))
 
     def retire(self) -> None:

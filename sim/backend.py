@@ -124,7 +124,7 @@ class ClusterSim:
         else:
             pages = np.full(lay.world, len(self.controller.local_instances(0)) * m.expert_bytes)
         groups = self.fixed_groups.copy()
-        for members in self.controller.cache._groups:
+        for members in self.controller.cache.groups():
             groups[list(members)] += 1
         return pages + groups * self.profile.collectives.communicator_MiB * 2**20
 
@@ -207,7 +207,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
         for op in b.combine_backward_ops + b.dispatch_backward_ops:
             ledger.add_op(op)
         moves.append(b.page_moves)
-    for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops:
+    for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops + d.end.heat_ops:
         ledger.add_op(op)
     groups = [g for m in moves for g in m.groups()]  # (ranks, moves each of them made)
     pcie = sum(len(ranks) * m.pcie_bytes for ranks, m in groups)

@@ -220,6 +220,7 @@ class PhaseBuilder:
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
         self.host("heat", -1, np.zeros(w))
+        self.chain("heat", -1, "ops", "comm", ops=d.end.heat_ops)
         if d.end.heat is not None:
             heat_s = self.compute.heat_update_time(m.num_layers * m.num_experts)
             self.chain("heat", -1, "compute", "compute", seconds=np.full(w, heat_s))

@@ -79,6 +79,7 @@ class SyncPlan:
 class StepEnd:
     heat: HeatUpdate | None  # None when no heat update was due
     page_moves: MovesByRank = field(default_factory=MovesByRank)
+    heat_ops: list[CollectiveOp] = field(default_factory=list)  # measured heat: its all-reduce
 
 
 class Controller:
@@ -266,8 +267,9 @@ class Controller:
         memory = (2 * active.sum(axis=1) * self.pages_per_expert).reshape(-1).astype(np.float64)
         compute = tokens if compute_heat is None else np.asarray(compute_heat, dtype=np.float64)
         self.heat.record(compute, memory, self._comm_heat_step)
+        heat_ops = self.planner.heat_ops()
         if not self.heat.is_due(self.step):
-            return StepEnd(None)
+            return StepEnd(None, heat_ops=heat_ops)
         update = self.heat.update(self.step)
         level = np.percentile(update.scores, self.s.pager.cold_percentile)
         below_cold = below(update.scores, level)
@@ -278,7 +280,7 @@ class Controller:
                 local = self.local_instances(r)
                 per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
             moves = self.pool.call("heat_update", per_rank, self.step)
-        return StepEnd(update, moves)
+        return StepEnd(update, moves, heat_ops)
 
     @property
     def tokens_routed(self) -> int:

@@ -45,6 +45,10 @@ class GroupCache:
     def __len__(self) -> int:
         return len(self._groups)
 
+    def groups(self) -> list[tuple[int, ...]]:
+        """The cached groups, least recently used first."""
+        return list(self._groups)
+
     def lookup(self, groups, events: CacheEvents | None = None) -> CacheEvents:
         """Look every group up in order; returns (or extends) the events of this round.
 

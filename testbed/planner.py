@@ -144,6 +144,15 @@ class Planner:
         size = (m.hidden_size * m.num_experts + m.num_experts) * ROUTER_PARAM_BYTES
         return [CollectiveOp("all_reduce", self.world, "dense_sync", layer, size=size, label="router gradients")]
 
+    def heat_ops(self) -> list[CollectiveOp]:
+        """With measured compute heat (M18), every rank adds up the expert kernel seconds
+        of all ranks (L*E float64) each step, so that every controller is told the same."""
+        if self.s.heat.compute_source != "measured" or len(self.world) < 2:
+            return []
+        m = self.s.model
+        return [CollectiveOp("all_reduce", self.world, "heat", size=m.num_layers * m.num_experts * 8,
+                             label="measured compute heat")]
+
     def expert_sync_ops(self, layer: int, active_groups: list[tuple[int, ...]]) -> list[CollectiveOp]:
         """Expert-gradient sync of one layer.
 

@@ -36,3 +36,17 @@ def test_real_run_and_its_replay_move_the_same_bytes(tmp_path, token, sync, payl
     assert real["dropped_token_fraction"] == replay["dropped_token_fraction"]
     assert real["group_cache_hit_rate"] == replay["group_cache_hit_rate"]
     assert real["bytes_by_level"]["spine"] > 0 and real["bytes_by_level"]["pcie"] > 0
+
+
+def test_measured_heat_all_reduce_is_planned(tmp_path):
+    """With measured compute heat the ranks add up their kernel seconds every step; the
+    planner plans that all-reduce, so the heat stage moves the same bytes in the replay.
+    (Page moves may differ: the pager follows measured, not simulated, heat.)"""
+    s = scenario(tmp_path, "alltoall", "allreduce").replace(heat={"compute_source": "measured"},
+                                                            real={"check_weights": False})
+    real = run_scenario(s, "real")
+    replay = run_scenario(s.replace(workload={"trace": real["run_dir"]}), "sim")
+    world, experts, layers = s.world_size, s.model.num_experts, s.model.num_layers
+    assert real["bytes_by_stage"]["heat"] == replay["bytes_by_stage"]["heat"] == 2 * (world - 1) * layers * experts * 8
+    for stage in ("dispatch", "combine", "expert_sync", "dense_sync"):
+        assert real["bytes_by_stage"][stage] == replay["bytes_by_stage"][stage]
