@@ -24,6 +24,7 @@ The profile records machine, library versions and date, and says how it was made
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import pickle
 import platform
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from real.comm import Comm
+from real.launch import pin_to_core
 from testbed.collectives import ByteLedger
 from testbed.errors import RunError, ScenarioError
 from testbed.profile import (Algorithms, CopyFigures, Efficiency, MachineProfile, Measured, PeakTflops,
@@ -57,12 +59,18 @@ PAGE_SIZES_MB = (0.0625, 0.25, 1, 4, 16)
 FFN_SHAPE = (128, 256)  # H, F of the compute benchmarks
 
 
+SIZES_HFT = ((64, 128, 256, "16KiB", "768KiB"), (192, 384, 768, "64KiB", "4MiB"))
+TOKEN_STAGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")
+
+
 def calibration_scenarios(world: int, output_dir: str) -> list[Scenario]:
-    """Two scenarios of different sizes whose stage times give the host costs (fixed and
-    per byte): 2 layers of 8 experts, alltoall + allreduce, paging on; small (H 64, F 128,
-    256 tokens) and large (H 192, F 384, 768 tokens). Validation grids use other sizes."""
+    """The scenarios whose stage times give the host costs: every token strategy with
+    all-reduce sync, and all-to-all with two-stage sync, each at two sizes: small (H 64,
+    F 128, 256 tokens) and large (H 192, F 384, 768 tokens). 2 layers of 8 experts, EP 2,
+    paging on, 24 steps. Validation grids use other sizes."""
+    combos = [(t, "allreduce") for t in ("alltoall", "allgather", "hierarchical")] + [("alltoall", "two_stage")]
     out = []
-    for hidden, ffn, tokens, page, budget in ((64, 128, 256, "16KiB", "768KiB"), (192, 384, 768, "64KiB", "4MiB")):
+    for (token, sync), (hidden, ffn, tokens, page, budget) in itertools.product(combos, SIZES_HFT):
         out.append(Scenario.from_dict({
             "model": {"hidden_size": hidden, "ffn_hidden_size": ffn, "num_layers": 2, "num_experts": 8},
             "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": max(1, world // 2), "microclusters": 1,
@@ -70,11 +78,19 @@ def calibration_scenarios(world: int, output_dir: str) -> list[Scenario]:
             "parallelism": {"ep_size": 2},
             "pager": {"page_size_bytes": page, "gpu_budget_bytes": budget},
             "heat": {"update_interval": 3, "window_steps": 6},
-            "comm": {"token_strategy": "alltoall", "expert_sync": "allreduce"},
+            "comm": {"token_strategy": token, "expert_sync": sync},
             "workload": {"tokens_per_rank": tokens},
-            "run": {"steps": 10, "warmup_steps": 2, "output_dir": output_dir},
+            "run": {"steps": 24, "warmup_steps": 3, "output_dir": output_dir},
         }))
     return out
+
+
+def variant_of(stage: str, scenario: Scenario) -> str:
+    if stage in TOKEN_STAGES:
+        return scenario.comm.token_strategy
+    if stage == "expert_sync":
+        return scenario.comm.expert_sync
+    return ""
 
 
 # ---- measurements in the rank processes -------------------------------------------------
@@ -145,6 +161,7 @@ def _ffn_seconds(tokens: int, reps: int = 5) -> float:
 def _rank_main(rank: int, world: int, store_path: str, q, sizes, reps: int):
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        pin_to_core(rank)  # as the real backend's ranks run
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
         rows = _bench_collectives(rank, world, sizes, reps)
@@ -258,25 +275,26 @@ def stage_calls(scenario: Scenario) -> dict[str, int]:
     return calls
 
 
-def _host_costs(profile: MachineProfile, world: int, workdir: str) -> list[dict]:
-    """Per stage: host seconds per call = a + b x bytes handled, from two calibration runs
-    (what the real backend took beyond what the simulator models, per call)."""
+def _host_costs(profile: MachineProfile, world: int, workdir: str, log) -> list[dict]:
+    """Per stage (and strategy variant): host seconds per call = a + b x bytes handled,
+    least squares over the calibration runs: what the real backend took beyond what the
+    simulator models, per call."""
     path = Path(workdir) / f"calibration-{world}.toml"
     save_profile(profile, path)
-    per_stage: dict[str, list[tuple[float, float]]] = {st: [] for st in STAGES}
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for s in calibration_scenarios(world, workdir):
         real = run_scenario(s, "real")
         sim = run_scenario(s.replace(workload={"trace": real["run_dir"]}, cluster={"profile": str(path)}), "sim")
         calls = stage_calls(s)
         for st in STAGES:
             residual = (real["stage_time_s"][st] - sim["stage_time_s"][st]) / calls[st]
-            per_stage[st].append((sim["host_bytes_by_stage"][st] / calls[st], residual))
+            points.setdefault((st, variant_of(st, s)), []).append((sim["host_bytes_by_stage"][st] / calls[st], residual))
     rows = []
-    for st, pts in per_stage.items():
-        (z1, r1), (z2, r2) = sorted(pts)
-        per_byte = max(0.0, (r2 - r1) / (z2 - z1)) if z2 > z1 else 0.0
-        fixed = max(0.0, float(np.mean([r - per_byte * z for z, r in pts])))
-        rows.append({"world": world, "stage": st, "us": fixed * 1e6, "us_per_MB": per_byte * 1e12})
+    for (st, variant), pts in sorted(points.items()):
+        z, r = np.array(pts).T
+        per_byte = max(0.0, float(np.polyfit(z, r, 1)[0])) if np.ptp(z) > 0 else 0.0
+        fixed = max(0.0, float(np.mean(r - per_byte * z)))
+        rows.append({"world": world, "stage": st, "variant": variant, "us": fixed * 1e6, "us_per_MB": per_byte * 1e12})
     return rows
 
 
@@ -332,7 +350,7 @@ def calibrate(name: str, ranks: int = 4, base: str = "local-cpu", out_dir: str |
     with tempfile.TemporaryDirectory(prefix="testbed-calibrate-") as tmp:
         for w in worlds:
             log(f"calibrate: host cost per stage with {w} ranks ({time.perf_counter() - started:.0f} s)")
-            host += _host_costs(profile, w, tmp)
+            host += _host_costs(profile, w, tmp, log)
     profile = replace(profile, measured=replace(profile.measured, stage_us=tuple(host)))
     path = Path(out_dir) / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -96,6 +96,10 @@ class RankRunner:
         s, st = self.s, self.st
         st.begin_step(step)
         x_TH, y_TH = (t.to(st.device) for t in self.task.batch(step, st.rank))
+        # every rank starts the timed step together: the testbed's own metrics exchange at
+        # the end of the previous step (rank 0 gathers and reports) is not training work,
+        # and without this the other ranks would wait for it inside the next step's stages
+        dist.barrier(group=st.groups.get(st.groups.world))
         t_start = st.clock.now()
         # the first MoE layer's input stands for the output of earlier layers: it needs a
         # gradient, so the first layer's dispatch backward runs like every other's

@@ -59,14 +59,27 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
-def host_seconds(profile: MachineProfile, world: int) -> dict[str, tuple[float, float]]:
+TOKEN_STAGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")
+
+
+def host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple[float, float]]:
     """Measured host cost per stage call: (seconds, seconds per byte of the stage's work)
-    (``measured.stage_us``, nearest measured world)."""
+    (``measured.stage_us`` of the nearest measured world; for token stages and expert sync
+    the entry of the scenario's strategy when there is one)."""
     rows = profile.measured.stage_us
     if not rows:
         return {}
+    world = scenario.world_size
     nearest = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), w))
-    return {r["stage"]: (r["us"] * 1e-6, r["us_per_MB"] * 1e-12) for r in rows if r["world"] == nearest}
+    wanted = {st: scenario.comm.token_strategy for st in TOKEN_STAGES}
+    wanted["expert_sync"] = scenario.comm.expert_sync
+    out: dict[str, tuple[float, float]] = {}
+    for r in rows:
+        if r["world"] != nearest or r["variant"] not in ("", wanted.get(r["stage"], "")):
+            continue
+        if r["stage"] not in out or r["variant"]:  # a matching variant beats a generic entry
+            out[r["stage"]] = (r["us"] * 1e-6, r["us_per_MB"] * 1e-12)
+    return out
 
 
 def network_mode(scenario: Scenario) -> str:
@@ -93,7 +106,7 @@ class ClusterSim:
         self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype, s.world_size),
                                     profile.collectives.group_create_ms * 1e-3, profile.copy.overlap > 0,
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
-                                    host_s=host_seconds(profile, s.world_size))
+                                    host_s=host_seconds(profile, s))
         self.faults = Faults(s, self.fabric)
         self.copy_latency = profile.copy.latency_us * 1e-6
         self.clock = 0.0

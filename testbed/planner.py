@@ -7,8 +7,8 @@ experts in the dispatch; every token strategy moves the same slots, in different
 
 - ``alltoall``: dispatch = all_to_all_v(D); combine = all_to_all_v(D^T); backward
   mirrors (combine_backward = D, dispatch_backward = D^T).
-- ``allgather``: dispatch = all_gather of all T tokens and of their routing metadata
-  (expert index int32 + probability fp32 per slot); combine = reduce_scatter of the
+- ``allgather``: dispatch = all_gather of all T tokens, of each slot's expert index
+  (int32) and of its probability (fp32), three calls; combine = reduce_scatter of the
   P*T partial outputs; backward: all_gather of output gradients, reduce_scatter of
   token gradients and of probability gradients.
 - ``hierarchical`` (Tutel's 2DH): the group as a (nodes A x members per node B) grid;
@@ -35,7 +35,8 @@ from testbed.topology import Layout
 
 COUNT_BYTES = 4  # routed counts travel as int32
 ROUTER_PARAM_BYTES = 4  # the router (weight H x E and bias E) is kept in fp32
-META_BYTES_PER_SLOT = 4 + 4  # allgather: expert index (int32) + probability (fp32)
+INDEX_BYTES = 4  # allgather: each slot's expert index travels as int32
+PROB_BYTES = 4  # ... and its probability as fp32
 PROB_GRAD_BYTES = 4
 
 
@@ -96,9 +97,10 @@ class Planner:
         p = len(members)
         t, tb = self.tokens, self.token_bytes
         slots = t * self.s.model.top_k
-        if stage == "dispatch":
+        if stage == "dispatch":  # tokens, then each slot's expert index (int32) and probability (fp32)
             return [CollectiveOp("all_gather", members, stage, layer, size=t * tb, label="tokens"),
-                    CollectiveOp("all_gather", members, stage, layer, size=slots * META_BYTES_PER_SLOT, label="routing metadata")]
+                    CollectiveOp("all_gather", members, stage, layer, size=slots * INDEX_BYTES, label="expert indices"),
+                    CollectiveOp("all_gather", members, stage, layer, size=slots * PROB_BYTES, label="probabilities")]
         if stage == "combine":
             return [CollectiveOp("reduce_scatter", members, stage, layer, size=p * t * tb, label="partial outputs")]
         if stage == "combine_backward":

@@ -230,8 +230,9 @@ class Measured:
         "cost of one call of a stage on the host (Python, autograd, bookkeeping): us fixed plus "
         "us_per_MB of the data the stage handles on the rank; calls are per layer for layer "
         "stages (paging: per layer forward and backward, and once at the step's end), per step "
-        "for the others",
-        world=int, stage=str, us=float, us_per_MB=float)
+        "for the others; variant = the token strategy (token stages) or expert sync "
+        "(expert_sync) the entry was measured with, empty for any",
+        world=int, stage=str, variant=str, us=float, us_per_MB=float)
 
 
 @dataclass(frozen=True)

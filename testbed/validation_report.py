@@ -79,6 +79,8 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
         ["speedup rank agreement", f"{result['speedup_rank_agreement']}",
          f"= {goals['speedup_rank_agreement']} ({result['scored_pairs']} of {result['pairs']} pairs scored)"],
         ["rank agreement, all pairs", f"{result['speedup_rank_agreement_all_pairs']}", "(ties included)"],
+        ["run-to-run spread of measurements (median)", f"{100 * result['median_run_to_run_spread']:.1f}%",
+         f"{result['repeats']} real runs per point; pairs within {100 * result['tie']:.0f}% are ties"],
     ]
     rows = []
     for p in points:
