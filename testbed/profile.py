@@ -34,6 +34,7 @@ import numpy as np
 import tomli_w
 import tomllib
 
+from testbed.checks import efficiency, fraction, non_negative, positive
 from testbed.errors import ScenarioError
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
@@ -49,23 +50,7 @@ MiB = 2**20
 
 
 # ---- field declarations --------------------------------------------------------------
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def _non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def _fraction(v):
-    return None if 0 <= v <= 1 else "must be between 0 and 1"
-
-
-def _efficiency(v):
-    return None if 0 < v <= 1 else "must be in (0, 1]"
-
-
-def _num(doc: str, check: Callable[[float], str | None] = _positive):
+def _num(doc: str, check: Callable[[float], str | None] = positive):
     return field(metadata={"doc": doc, "kind": "float", "check": check})
 
 
@@ -96,7 +81,7 @@ class LinkFigures:
     """One link class. Bandwidth is per direction; latency is per link crossed."""
 
     bandwidth_GBps: float = _num("bandwidth per direction, 1e9 bytes/s")
-    latency_us: float = _num("latency of one link (a path adds those of its links), us", _non_negative)
+    latency_us: float = _num("latency of one link (a path adds those of its links), us", non_negative)
 
     @property
     def bandwidth(self) -> float:
@@ -136,8 +121,8 @@ class Efficiency:
     at both ends.
     """
 
-    grouped: tuple[tuple[float, float], ...] = _curve("grouped GEMM: (tokens per expert, fraction of peak)", _efficiency)
-    loop: tuple[tuple[float, float], ...] = _curve("one GEMM per expert: (tokens per expert, fraction of peak)", _efficiency)
+    grouped: tuple[tuple[float, float], ...] = _curve("grouped GEMM: (tokens per expert, fraction of peak)", efficiency)
+    loop: tuple[tuple[float, float], ...] = _curve("one GEMM per expert: (tokens per expert, fraction of peak)", efficiency)
 
 
 @dataclass(frozen=True)
@@ -148,7 +133,7 @@ class ComputeFigures:
     efficiency: Efficiency = _section(Efficiency, "expert GEMM efficiency curves")
     memory_GBps: float = _num("device memory bandwidth, bytes read + written per s / 1e9")
     device_memory_GB: float = _num("device memory of one GPU (one CPU rank's share on CPU), 1e9 bytes")
-    launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", _non_negative)
+    launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", non_negative)
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of ``dtype`` (fp32, bf16, fp16)."""
@@ -165,9 +150,9 @@ class ComputeFigures:
 class CopyFigures:
     """Host <-> device copies of pages (M12-M16)."""
 
-    table: tuple[tuple[float, float], ...] = _curve("(page size MiB, GBps) of streamed pinned copies", _positive)
-    latency_us: float = _num("fixed cost per copy, us", _non_negative)
-    overlap: float = _num("fraction of copy time hidden behind concurrent compute", _fraction)
+    table: tuple[tuple[float, float], ...] = _curve("(page size MiB, GBps) of streamed pinned copies", positive)
+    latency_us: float = _num("fixed cost per copy, us", non_negative)
+    overlap: float = _num("fraction of copy time hidden behind concurrent compute", fraction)
 
     def GBps(self, page_bytes):
         """Copy bandwidth (1e9 bytes/s) for pages of ``page_bytes``, interpolated in log size."""
@@ -195,19 +180,19 @@ class CollectiveFigures:
     """Communication library costs."""
 
     algorithm: Algorithms = _section(Algorithms, "algorithm per collective kind")
-    latency_us: float = _num("fixed software cost of one collective call, us", _non_negative)
-    group_create_ms: float = _num("creating a new communicator for an uncached group (M10), ms", _non_negative)
+    latency_us: float = _num("fixed software cost of one collective call, us", non_negative)
+    group_create_ms: float = _num("creating a new communicator for an uncached group (M10), ms", non_negative)
     group_create_scope: str = _text("who pays for a new communicator: members (NCCL) or all ranks (torch new_group on gloo)", ("members", "all"))
-    discovery_us: float = _num("one active-group discovery round on a cache miss (M10), us", _non_negative)
-    communicator_MiB: float = _num("device memory one communicator holds on each member (M10), MiB", _non_negative)
+    discovery_us: float = _num("one active-group discovery round on a cache miss (M10), us", non_negative)
+    communicator_MiB: float = _num("device memory one communicator holds on each member (M10), MiB", non_negative)
 
 
 @dataclass(frozen=True)
 class Overheads:
     """Fixed costs of the testbed's own bookkeeping."""
 
-    heat_update_us_per_expert: float = _num("heat-map update (M18), us per expert", _non_negative)
-    router_us: float = _num("router call beyond its GEMM (softmax, top-k, capacity), us per layer", _non_negative)
+    heat_update_us_per_expert: float = _num("heat-map update (M18), us per expert", non_negative)
+    router_us: float = _num("router call beyond its GEMM (softmax, top-k, capacity), us per layer", non_negative)
 
 
 def _rows(doc: str, **fields):

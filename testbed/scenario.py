@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from testbed.checks import fraction, non_negative, percentile, positive
 from testbed.errors import ScenarioError
 from testbed.topology import Layout
 from testbed.units import parse_bytes
@@ -39,22 +40,6 @@ def doc(text: str, default: Any, *, check: Callable[[Any], str | None] | None = 
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
-
-
-def positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def fraction(v):
-    return None if 0 <= v <= 1 else "must be between 0 and 1"
-
-
-def percentile(v):
-    return None if 0 <= v <= 100 else "must be between 0 and 100"
 
 
 @dataclass
