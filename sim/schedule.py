@@ -65,6 +65,10 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
             done = ready + ph.seconds
         elif ph.kind == "copy":
             done = ready + copy_seconds(ph, h2d_bw, d2h_bw, copy_latency_s)
+            for kind, nbytes, bw in (("h2d", ph.h2d, h2d_bw), ("d2h", ph.d2h, d2h_bw)):
+                edges = fabric.offset[kind] + np.arange(world)  # each rank's PCIe link
+                timer.stats.bytes_by_edge[edges] += nbytes
+                timer.stats.busy_by_edge[edges] += np.divide(nbytes, bw, out=np.zeros(world), where=bw > 0)
         else:
             done = ready.copy()
             for op in ph.ops:
