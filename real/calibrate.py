@@ -94,15 +94,18 @@ def variant_of(stage: str, scenario: Scenario) -> str:
 
 
 # ---- measurements in the rank processes -------------------------------------------------
-def _timed(fn, reps: int) -> float:
-    """Median seconds of ``fn`` after one warm-up call, each call started together."""
+def _timed(fn, reps: int, burst: int = 4) -> float:
+    """Seconds per call of ``fn``: the median over ``reps`` bursts of ``burst`` calls issued
+    back to back after a barrier, as a training step issues its collectives (a single
+    call after a barrier also pays waking every peer, which back-to-back calls hide)."""
     fn()
     out = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for _ in range(burst):
+            fn()
+        out.append((time.perf_counter() - t0) / burst)
     return float(np.median(out))
 
 

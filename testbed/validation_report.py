@@ -33,6 +33,10 @@ WHY = {
 }
 
 
+def _fraction(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
@@ -76,9 +80,9 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
     head = [
         ["median |step-time error|", f"{100 * result['median_abs_error']:.1f}%", f"<= {100 * goals['median_abs_error']:.0f}%"],
         ["worst |step-time error|", f"{100 * result['max_abs_error']:.1f}%", f"<= {100 * goals['max_abs_error']:.0f}%"],
-        ["speedup rank agreement", f"{result['speedup_rank_agreement']}",
+        ["speedup rank agreement", _fraction(result["speedup_rank_agreement"]),
          f"= {goals['speedup_rank_agreement']} ({result['scored_pairs']} of {result['pairs']} pairs scored)"],
-        ["rank agreement, all pairs", f"{result['speedup_rank_agreement_all_pairs']}", "(ties included)"],
+        ["rank agreement, all pairs", _fraction(result["speedup_rank_agreement_all_pairs"]), "(ties included)"],
         ["run-to-run spread of measurements (median)", f"{100 * result['median_run_to_run_spread']:.1f}%",
          f"{result['repeats']} real runs per point; pairs within {100 * result['tie']:.0f}% are ties"],
     ]
