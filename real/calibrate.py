@@ -48,7 +48,7 @@ from testbed.profile import (Algorithms, CopyFigures, Efficiency, MachineProfile
                              load_profile, save_profile)
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
-from testbed.stages import STAGES
+from testbed.stages import STAGES, stage_variant
 from testbed.topology import Layout
 
 KINDS = ("all_to_all_v", "all_gather", "reduce_scatter", "all_reduce", "p2p")
@@ -60,7 +60,6 @@ FFN_SHAPE = (128, 256)  # H, F of the compute benchmarks
 
 
 SIZES_HFT = ((64, 128, 256, "16KiB", "768KiB"), (192, 384, 768, "64KiB", "4MiB"))
-TOKEN_STAGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")
 
 
 def calibration_scenarios(world: int, output_dir: str) -> list[Scenario]:
@@ -83,14 +82,6 @@ def calibration_scenarios(world: int, output_dir: str) -> list[Scenario]:
             "run": {"steps": 24, "warmup_steps": 3, "output_dir": output_dir},
         }))
     return out
-
-
-def variant_of(stage: str, scenario: Scenario) -> str:
-    if stage in TOKEN_STAGES:
-        return scenario.comm.token_strategy
-    if stage == "expert_sync":
-        return scenario.comm.expert_sync
-    return ""
 
 
 # ---- measurements in the rank processes -------------------------------------------------
@@ -291,7 +282,7 @@ def _host_costs(profile: MachineProfile, world: int, workdir: str, log) -> list[
         calls = stage_calls(s)
         for st in STAGES:
             residual = (real["stage_time_s"][st] - sim["stage_time_s"][st]) / calls[st]
-            points.setdefault((st, variant_of(st, s)), []).append((sim["host_bytes_by_stage"][st] / calls[st], residual))
+            points.setdefault((st, stage_variant(st, s.comm.token_strategy, s.comm.expert_sync)), []).append((sim["host_bytes_by_stage"][st] / calls[st], residual))
     rows = []
     for (st, variant), pts in sorted(points.items()):
         z, r = np.array(pts).T

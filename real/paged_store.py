@@ -63,12 +63,10 @@ class PagedExpertStore:
         self.modified = np.zeros(len(pager.location), dtype=bool)
         self._pages = {int(inst): range(k * pager.pages_per_expert, (k + 1) * pager.pages_per_expert)
                        for k, inst in enumerate(pager.experts)}  # instance -> its page numbers
-        self.copied_bytes = 0
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._ready: dict[int, torch.cuda.Event] = {}  # instance -> event after its last copy
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (compute, copy)
         self._mirror_pager()
-        self.copied_bytes = 0  # the initial load is not a step's traffic
 
     def _mirror_pager(self) -> None:
         """Put every page the pager has on the GPU into its slot, from the host pool."""
@@ -106,7 +104,6 @@ class PagedExpertStore:
         self._slot_tensor(slot)[:data.numel()].copy_(data, non_blocking=True)
         self._keep_alive(data)
         self.loc[page], self.slot_of[page] = GPU, slot
-        self.copied_bytes += data.numel() * self.elem
 
     # ---- CUDA streams and events ----------------------------------------------------------
     def _on_copy_stream(self):
@@ -192,7 +189,6 @@ class PagedExpertStore:
                 if nbytes > 0:  # dirty: write back before the slot is reused (M15)
                     view = self._host_view(page)
                     view.copy_(self._slot_tensor(old)[:view.numel()], non_blocking=True)
-                    self.copied_bytes += view.numel() * self.elem
                     host_device += view.numel() * self.elem
                 self.loc[page], self.slot_of[page] = HOST, -1
             elif dst == NONE:
@@ -247,7 +243,6 @@ class PagedExpertStore:
                 w = self._host_view(page)
                 w.copy_(w - lr * staged)
                 self.modified[page] = True
-        self.copied_bytes += shipped
         return shipped
 
     @property

@@ -155,9 +155,7 @@ class RankRunner:
         if st.rank != 0:
             return None
         self.routing.append(np.stack(routed))
-        states = None
-        if end.heat is not None:
-            states = {name: int((end.heat.states == code).sum()) for code, name in enumerate(("hot", "warm", "cold"))}
+        states = end.heat.state_counts() if end.heat is not None else None
         return _merge(step, gathered, int(sum(r.sum() for r in routed)), dropped, cache, states)
 
     def _measured_heat(self) -> np.ndarray:

@@ -19,13 +19,13 @@ import simpy
 from testbed.backend import RunResult
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
-from testbed.heat import STATE_NAMES
 from testbed.page_moves import page_move_count
 from testbed.profile import MachineProfile, load_profile
 from testbed.progress import Progress
 from testbed.results import StepRecord
 from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
+from testbed.stages import stage_variant
 from testbed.topology import LEVELS, Layout
 from testbed.workload import SyntheticWorkload
 
@@ -59,9 +59,6 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
-TOKEN_STAGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")
-
-
 def host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple[float, float]]:
     """Measured host cost per stage call: (seconds, seconds per byte of the stage's work)
     (``measured.stage_us`` of the nearest measured world; for token stages and expert sync
@@ -71,11 +68,11 @@ def host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple
         return {}
     world = scenario.world_size
     nearest = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), w))
-    wanted = {st: scenario.comm.token_strategy for st in TOKEN_STAGES}
-    wanted["expert_sync"] = scenario.comm.expert_sync
+    comm = scenario.comm
     out: dict[str, tuple[float, float]] = {}
     for r in rows:
-        if r["world"] != nearest or r["variant"] not in ("", wanted.get(r["stage"], "")):
+        wanted = stage_variant(r["stage"], comm.token_strategy, comm.expert_sync)
+        if r["world"] != nearest or r["variant"] not in ("", wanted):
             continue
         if r["stage"] not in out or r["variant"]:  # a matching variant beats a generic entry
             out[r["stage"]] = (r["us"] * 1e-6, r["us_per_MB"] * 1e-12)
@@ -226,9 +223,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
     pcie = sum(len(ranks) * m.pcie_bytes for ranks, m in groups)
     if pcie:
         ledger.add_pcie("paging", pcie)
-    states = None
-    if d.end.heat is not None:
-        states = {name: int((d.end.heat.states == code).sum()) for code, name in enumerate(STATE_NAMES)}
+    states = d.end.heat.state_counts() if d.end.heat is not None else None
     cache = d.sync.cache
     return StepRecord(
         step=step,

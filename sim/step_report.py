@@ -36,7 +36,6 @@ class StepFigures:
     exposed_s_max: float
     page_stall_s: float
     peak_memory_bytes: int
-    peak_memory_by_rank: np.ndarray
     memory: np.ndarray  # [P, W] bytes held during each phase
 
 
@@ -64,7 +63,7 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
         layer_time_s=[float(v) for v in by_layer.mean(axis=1)],
         exposed_s_mean=float(exposed.mean()), exposed_s_max=float(exposed.max()),
         page_stall_s=float(stall.mean()),
-        peak_memory_bytes=int(peak.max()), peak_memory_by_rank=peak, memory=memory,
+        peak_memory_bytes=int(peak.max()), memory=memory,
     )
 
 

@@ -154,8 +154,3 @@ class ByteLedger:
 
     def level_dict(self) -> dict[str, int]:
         return {name: int(v) for name, v in zip(LEVELS, self.by_level)}
-
-    def merge(self, other: "ByteLedger") -> None:
-        for k, v in other.by_stage.items():
-            self.by_stage[k] = self.by_stage.get(k, 0) + v
-        self.by_level += other.by_level

@@ -95,6 +95,9 @@ class Controller:
                                         scenario.router.capacity_factor, lay.ep_size,
                                         scenario.router.pad_capacity_to_ep)
         self.paged_ranks = list(range(lay.world) if paged_ranks is None else paged_ranks)
+        # [W, L * E/P]: the rank's EP index j holds experts j*E/P.. of every layer
+        local = lay.index_of[:, None] * lay.experts_per_rank + np.arange(lay.experts_per_rank)
+        self._local = (np.arange(self.L)[None, :, None] * self.E + local[:, None, :]).reshape(lay.world, -1)
         self.pool: PagerPool | None = None
         if scenario.pager.enabled:
             local = np.stack([self.local_instances(r) for r in self.paged_ranks])
@@ -110,9 +113,8 @@ class Controller:
 
     # ---- placement helpers ----------------------------------------------------------------
     def local_instances(self, rank: int) -> np.ndarray:
-        """Instance ids of the expert replicas ``rank`` holds, layer-major."""
-        local = np.array(self.layout.local_experts(rank))
-        return (np.arange(self.L)[:, None] * self.E + local[None, :]).reshape(-1)
+        """Instance ids of the expert replicas ``rank`` holds, layer-major (sorted)."""
+        return self._local[rank]
 
     def _replica_rank(self, group: int, expert: int) -> int:
         return self.layout.expert_rank(group, expert)
@@ -281,9 +283,3 @@ class Controller:
                 per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
             moves = self.pool.call("heat_update", per_rank, self.step)
         return StepEnd(update, moves, heat_ops)
-
-    @property
-    def tokens_routed(self) -> int:
-        return int(sum(k.sum() for k in self._kept.values()))
-
-

@@ -42,6 +42,10 @@ class HeatUpdate:
     zero_window: np.ndarray  # bool: zero compute heat over the whole window (claim C7)
     window_steps: int        # steps the window holds now (<= config.window_steps)
 
+    def state_counts(self) -> dict[str, int]:
+        """Experts per state: {"hot": n, "warm": n, "cold": n}."""
+        return {name: int((self.states == code).sum()) for code, name in enumerate(STATE_NAMES)}
+
 
 class HeatMap:
     """Sliding-window heat of ``num_experts`` experts and their current states.

@@ -18,3 +18,15 @@ STREAMS = ("compute", "comm", "copy")
 def empty_stage_map(value=0):
     """{stage: value} for every stage, in step order."""
     return {s: value for s in STAGES}
+
+#: stages whose work depends on the token strategy (their host cost is per strategy)
+TOKEN_STAGES = ("dispatch", "combine", "combine_backward", "dispatch_backward")
+
+
+def stage_variant(stage: str, token_strategy: str, expert_sync: str) -> str:
+    """The strategy a stage's host cost depends on: the token strategy for token stages,
+    the expert sync for expert_sync, none ("") for the others (calibration and the
+    simulator's host costs must agree on this)."""
+    if stage in TOKEN_STAGES:
+        return token_strategy
+    return expert_sync if stage == "expert_sync" else ""
