@@ -7,9 +7,9 @@ directed edges, each with ``bandwidth`` (bytes/s), ``latency`` (s), ``level`` (a
 ``testbed.topology`` level code: NVLINK, LEAF for the GPU NICs, SPINE for the leaf
 uplinks, PCIE) and ``index`` (its position in the dense arrays).
 
-The spine is one aggregated switch: each leaf's uplink carries
-``gpus_per_microcluster * spine.bandwidth / leaf_spine_oversubscription``, a fluid model
-of ECMP spreading flows evenly over the real spine switches. Routing is fixed (no
+The links and their figures come from ``testbed.links`` (the emulated cluster of the
+real backend is wired from the same description); the spine is one aggregated switch
+whose uplinks are a fluid model of ECMP. Routing is fixed (no
 alternatives): same node -> gpu, nvswitch, gpu; same micro-cluster -> gpu, leaf, gpu
 over the NICs; else gpu, leaf, spine, leaf, gpu. PCIe copies use the GPU's own link to
 its node's host memory; the host side (memory, PCIe switches shared by two GPUs) is not
@@ -28,11 +28,10 @@ import networkx as nx
 import numpy as np
 
 from testbed.errors import RunError
+from testbed.links import BLOCKS, fabric_blocks
 from testbed.profile import MachineProfile
-from testbed.topology import LEAF, LEVELS, NVLINK, PCIE, SPINE
+from testbed.topology import LEVELS
 
-#: edge blocks in the dense arrays, in this order (W = GPUs, M = micro-clusters)
-BLOCKS = ("nvlink_up", "nvlink_down", "nic_up", "nic_down", "h2d", "d2h", "spine_up", "spine_down")
 KINDS = ("fabric", "h2d", "d2h")
 
 
@@ -61,7 +60,8 @@ class Fabric:
     """Graph plus dense arrays of one cluster. Build with ``build_fabric``.
 
     capacity[e]  current bandwidth of edge e, bytes/s (after faults)
-    nominal[e]   bandwidth from the profile, bytes/s
+    nominal[e]   payload bandwidth from the profile, bytes/s: the link figure times the
+                 profile's ``protocol.payload_fraction`` (1 unless the figures are wire rates)
     latency[e]   seconds
     level[e]     level code (testbed.topology: NVLINK, LEAF, SPINE, PCIE)
     edges[e]     (u, v) node keys of edge e
@@ -74,31 +74,20 @@ class Fabric:
         self.nodes = W // cluster.gpus_per_node
         self.microclusters = M = cluster.microclusters
         self.profile_name = profile.name
-        links = profile.links
         ranks = np.arange(W)
         node, mc = ranks // self.gpus_per_node, ranks // self.gpus_per_microcluster
-        sizes = dict(zip(BLOCKS, (W, W, W, W, W, W, M, M)))
+        spec = fabric_blocks(cluster, profile)  # block -> (count, bandwidth bytes/s, latency s, level)
+        sizes = {b: spec[b].count for b in BLOCKS}
         self.offset = dict(zip(BLOCKS, np.cumsum([0] + [sizes[b] for b in BLOCKS[:-1]]).tolist()))
         self.num_edges = E = sum(sizes.values())
-
-        uplink = (self.gpus_per_microcluster * links.spine.bandwidth
-                  / cluster.leaf_spine_oversubscription)
-        spec = {  # block -> (bandwidth bytes/s, latency s, level)
-            "nvlink_up": (links.nvlink.bandwidth, links.nvlink.latency, NVLINK),
-            "nvlink_down": (links.nvlink.bandwidth, links.nvlink.latency, NVLINK),
-            "nic_up": (links.nic.bandwidth, links.nic.latency, LEAF),
-            "nic_down": (links.nic.bandwidth, links.nic.latency, LEAF),
-            "h2d": (links.pcie.bandwidth, links.pcie.latency, PCIE),
-            "d2h": (links.pcie.bandwidth, links.pcie.latency, PCIE),
-            "spine_up": (uplink, links.spine.latency, SPINE),
-            "spine_down": (uplink, links.spine.latency, SPINE),
-        }
         self.nominal = np.empty(E)
         self.latency = np.empty(E)
         self.level = np.empty(E, dtype=np.int8)
+        payload = profile.protocol.payload_fraction  # links shaped at wire rates carry less payload
         for b in BLOCKS:
             sl = slice(self.offset[b], self.offset[b] + sizes[b])
-            self.nominal[sl], self.latency[sl], self.level[sl] = spec[b]
+            share = 1.0 if b in ("h2d", "d2h") else payload
+            self.nominal[sl], self.latency[sl], self.level[sl] = spec[b].bandwidth * share, spec[b].latency, spec[b].level
         self.capacity = self.nominal.copy()
 
         gpu = [("gpu", int(r)) for r in ranks]

@@ -1,0 +1,98 @@
+"""The directed links of a cluster's three-level fabric (M21), in one place for both backends.
+
+The simulator's fabric (``sim.fabric``) and the emulated cluster of the real backend
+(``real.netem``) are built from this one description, so that they have the same links
+at the same rates. Links come in *blocks*, each a direction of one link class, indexed by
+rank (W = GPUs) or micro-cluster (M):
+
+- ``nvlink_up[r]`` / ``nvlink_down[r]``: GPU r to / from its node's NVLink switch;
+- ``nic_up[r]`` / ``nic_down[r]``: GPU r's NIC to / from its micro-cluster's leaf;
+- ``h2d[r]`` / ``d2h[r]``: host memory of r's node to / from GPU r (PCIe);
+- ``spine_up[m]`` / ``spine_down[m]``: leaf m to / from the spine.
+
+A leaf's spine uplink carries ``gpus_per_microcluster * spine.bandwidth /
+leaf_spine_oversubscription`` (the spine figure of a profile is a per-GPU share), a fluid
+model of ECMP spreading flows evenly over the real spine switches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from testbed.topology import LEAF, NVLINK, PCIE, SPINE
+
+#: the blocks in the order of the simulator's dense edge arrays
+BLOCKS = ("nvlink_up", "nvlink_down", "nic_up", "nic_down", "h2d", "d2h", "spine_up", "spine_down")
+#: the blocks between GPUs and switches (no PCIe): what an emulated cluster wires
+NETWORK_BLOCKS = ("nvlink_up", "nvlink_down", "nic_up", "nic_down", "spine_up", "spine_down")
+
+
+class BlockFigures(NamedTuple):
+    """One block: how many links, and each one's rate, latency and level."""
+
+    count: int  # links in the block (ranks or micro-clusters)
+    bandwidth: float  # bytes/s per link, in the block's direction
+    latency: float  # seconds
+    level: int  # testbed.topology level code
+
+
+def fabric_blocks(cluster, profile) -> dict[str, BlockFigures]:
+    """Every block of ``cluster`` (a ``ClusterConfig``) with ``profile``'s link figures."""
+    links = profile.links
+    w, m = cluster.gpus, cluster.microclusters
+    uplink = cluster.gpus_per_microcluster * links.spine.bandwidth / cluster.leaf_spine_oversubscription
+    return {
+        "nvlink_up": BlockFigures(w, links.nvlink.bandwidth, links.nvlink.latency, NVLINK),
+        "nvlink_down": BlockFigures(w, links.nvlink.bandwidth, links.nvlink.latency, NVLINK),
+        "nic_up": BlockFigures(w, links.nic.bandwidth, links.nic.latency, LEAF),
+        "nic_down": BlockFigures(w, links.nic.bandwidth, links.nic.latency, LEAF),
+        "h2d": BlockFigures(w, links.pcie.bandwidth, links.pcie.latency, PCIE),
+        "d2h": BlockFigures(w, links.pcie.bandwidth, links.pcie.latency, PCIE),
+        "spine_up": BlockFigures(m, uplink, links.spine.latency, SPINE),
+        "spine_down": BlockFigures(m, uplink, links.spine.latency, SPINE),
+    }
+
+
+def wired_blocks(cluster) -> tuple[str, ...]:
+    """The network blocks a cluster really needs: no NVLink with one GPU per node, no
+    spine with one micro-cluster."""
+    out = []
+    for b in NETWORK_BLOCKS:
+        if b.startswith("nvlink") and cluster.gpus_per_node == 1:
+            continue
+        if b.startswith("spine") and cluster.microclusters == 1:
+            continue
+        out.append(b)
+    return tuple(out)
+
+
+def route(cluster, src: int, dst: int) -> list[tuple[str, int]]:
+    """The directed links (block, index) of the fixed route from rank ``src`` to rank
+    ``dst``: same node: NVLink up and down; same micro-cluster: the two NICs; else the two
+    NICs and the spine up and down (none to itself). ``sim.fabric`` routes the same way."""
+    if src == dst:
+        return []
+    if src // cluster.gpus_per_node == dst // cluster.gpus_per_node:
+        return [("nvlink_up", src), ("nvlink_down", dst)]
+    m_src, m_dst = src // cluster.gpus_per_microcluster, dst // cluster.gpus_per_microcluster
+    if m_src == m_dst:
+        return [("nic_up", src), ("nic_down", dst)]
+    return [("nic_up", src), ("spine_up", m_src), ("spine_down", m_dst), ("nic_down", dst)]
+
+
+def flows_through(cluster) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """For every directed network link (block, index), the (src, dst) rank pairs whose
+    route crosses it, in rank order."""
+    out: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for a in range(cluster.gpus):
+        for b in range(cluster.gpus):
+            for link in route(cluster, a, b):
+                out.setdefault(link, []).append((a, b))
+    return out
+
+
+def path_latency_s(cluster, profile, src: int, dst: int) -> float:
+    """One-way latency of the route from rank ``src`` to rank ``dst``, seconds: the sum of
+    its links' latencies."""
+    blocks = fabric_blocks(cluster, profile)
+    return sum(blocks[b].latency for b, _ in route(cluster, src, dst))
