@@ -4,8 +4,11 @@ Two ways, one entry point (``RealBackend.run``):
 
 - *spawned* (``run_ranks``): this process starts every rank of the scenario on this
   machine as a separate process (``spawn``); they meet through a file store in a private
-  temporary folder, so concurrent runs never race for a port. Rank 0 streams each
-  step's record to the parent through a queue. If a rank raises, or dies without a word
+  temporary folder, so concurrent runs never race for a port. Every rank starts each
+  step at a gate this process takes part in and sends its step metrics here through a
+  queue (``real.control.LocalControl``); this process merges them and streams each
+  record on. On an emulated cluster (``real.network = "emulated"``) the ranks run in
+  the network namespaces of an ``EmulatedFabric`` (``real.netem``). If a rank raises, or dies without a word
   (killed, out of memory), the parent stops every other rank at once and raises
   ``RunError`` naming the rank: a run never hangs on a dead peer.
 - *under torchrun* (``run_in_process``): ``torchrun`` (or any launcher that sets
@@ -22,9 +25,12 @@ import gc
 import os
 import pickle
 import queue as queue_mod
+import signal
 import tempfile
+import threading
 import time
 import traceback
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,10 +38,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from real.control import DistControl, GateKeeper, LocalControl, merge_step
+from real.netem import EmulatedFabric, enter_namespace
 from real.worker import RankRunner
 from testbed.errors import RunError, ScenarioError
-from testbed.results import StepRecord
+from testbed.links import fabric_blocks
+from testbed.profile import load_profile
 from testbed.scenario import Scenario
+from testbed.topology import LEVELS
 
 POLL_S = 0.2
 REPORTED_EXIT = 3  # a rank that raised and sent its error exits with this code
@@ -68,10 +78,15 @@ def pick_device(scenario: Scenario) -> str:
     return "cpu"
 
 
-def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: str, debug: dict | None,
-               run_dir: str | None, resume):
-    """Body of one rank process."""
+def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, barrier, device_kind: str, debug: dict | None,
+               run_dir: str | None, resume, netns: tuple[str, str] | None):
+    """Body of one rank process. ``netns``: (namespace, interface) of this rank on an
+    emulated cluster: the rank enters the namespace before it opens any socket, and gloo
+    binds to that interface."""
     try:
+        if netns is not None:
+            enter_namespace(netns[0])
+            os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
         scenario = Scenario.from_dict(scenario_dict)
         world = scenario.world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -85,7 +100,8 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, device_kind: 
         if device_kind == "cuda":
             torch.cuda.set_device(device)
         runner = RankRunner(scenario, rank, device)
-        result = runner.run(lambda record: q.put(("step", rank, record.to_dict())), debug, run_dir, resume)
+        control = LocalControl(rank, barrier, q, scenario.real.timeout_s)
+        result = runner.run(control, debug, run_dir, resume)
         # plain bytes: torch would pass tensors as shared-memory handles that die with this process
         q.put(("done", rank, pickle.dumps(result)))
         del runner
@@ -101,6 +117,11 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
               resume=None) -> dict:
     """Run every rank on this machine; returns rank 0's final payload.
 
+    With ``real.network = "emulated"`` the ranks run in the network namespaces of an
+    ``EmulatedFabric`` made for this run, which is torn down however the run ends; each
+    step's record then carries ``wire_bytes_by_level``, read from the kernel's counters
+    while every rank waits at the step's gate.
+
     ``run_dir`` and ``resume``: see ``RankRunner.run``. ``debug`` is for tests (see
     ``RankRunner.run``): make a rank die, capture tensors.
     """
@@ -108,21 +129,63 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
     device_kind = pick_device(scenario)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="testbed-") as tmp:
+    barrier = ctx.Barrier(world + 1)  # the ranks and this process's GateKeeper
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="testbed-") as tmp:
+        fabric = meter = None
+        if scenario.real.network == "emulated":
+            profile = load_profile(scenario.cluster.profile)
+            fabric = stack.enter_context(EmulatedFabric(scenario, profile))
+            meter = WireMeter(scenario, profile)
+        stack.callback(_stop_on_signals())  # SIGTERM / SIGHUP unwind like Ctrl-C: teardown runs
         store_path = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_rank_main,
-                             args=(r, scenario.to_dict(), store_path, q, device_kind, debug, run_dir, resume),
+                             args=(r, scenario.to_dict(), store_path, q, barrier, device_kind, debug, run_dir, resume,
+                                   (fabric.rank_namespace(r), fabric.rank_interface(r)) if fabric else None),
                              name=f"testbed-rank{r}") for r in range(world)]
+        keeper = GateKeeper(barrier, fabric.counters if fabric else None)
         for p in procs:
             p.start()
         try:
-            return _collect(procs, q, on_step)
+            return _collect(procs, q, on_step, keeper, meter, scenario.real.timeout_s)
         finally:
+            keeper.stop()
             for p in procs:
                 if p.is_alive():
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
+
+
+def _stop_on_signals():
+    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in this (main) thread while a run is
+    on, so that an emulated cluster is torn down as on Ctrl-C; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {}
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, interrupt)
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+
+class WireMeter:
+    """Bytes each step put on the emulated links, by level: the difference of the kernel's
+    counters between the gate that opened the step and the next one. A level's bytes are
+    summed over its directed links (a transfer between two nodes of a leaf crosses two
+    NIC links), headers included."""
+
+    def __init__(self, scenario: Scenario, profile):
+        self.level_of = {(b, i): LEVELS[fig.level] for b, fig in fabric_blocks(scenario.cluster, profile).items()
+                         for i in range(fig.count)}
+
+    def by_level(self, before: dict, after: dict) -> dict[str, int]:
+        out = {lv: 0 for lv in LEVELS[:3]}
+        for key, value in after.items():
+            out[self.level_of[key]] += int(value - before.get(key, 0))
+        return out
 
 
 def _silent_death(procs, done, wait_s: float) -> int | None:
@@ -137,10 +200,29 @@ def _silent_death(procs, done, wait_s: float) -> int | None:
         time.sleep(0.05)
 
 
-def _collect(procs, q, on_step) -> dict:
+def _collect(procs, q, on_step, keeper: GateKeeper, meter: WireMeter | None, timeout_s: float) -> dict:
+    """Merge the ranks' step metrics into records (in step order) until every rank is done;
+    stop at the first rank that fails."""
     world = len(procs)
     done: dict[int, dict] = {}
+    steps: dict[int, dict] = {}  # step -> {"locals": {rank: local}, "lead": lead}
+    ready: list[tuple[int, dict]] = []  # complete steps waiting for their closing gate
+    merged = [0]  # records handed on: the k-th step of this run lies between gates k and k + 1
+
+    def flush(wait: bool) -> None:
+        while ready:
+            if meter is not None and not wait and len(keeper.results) <= merged[0] + 1:
+                return  # the step's closing gate has not been passed yet
+            step, entry = ready.pop(0)
+            wire = None
+            if meter is not None:
+                k = merged[0]
+                wire = meter.by_level(keeper.result(k, timeout_s), keeper.result(k + 1, timeout_s))
+            on_step(merge_step(step, [entry["locals"][r] for r in range(world)], entry["lead"], wire))
+            merged[0] += 1
+
     while len(done) < world:
+        flush(wait=False)
         try:
             msg = q.get(timeout=POLL_S)
         except queue_mod.Empty:
@@ -153,8 +235,13 @@ def _collect(procs, q, on_step) -> dict:
                 r = dead[0]
                 raise RunError(f"rank {r} died (exit code {procs[r].exitcode}); the other ranks were stopped") from None
         kind, rank = msg[0], msg[1]
-        if kind == "step":
-            on_step(StepRecord.from_dict(msg[2]))
+        if kind == "local":
+            _, step, rank, local, lead = msg
+            entry = steps.setdefault(step, {"locals": {}, "lead": None})
+            entry["locals"][rank] = local
+            entry["lead"] = lead if lead is not None else entry["lead"]
+            if len(entry["locals"]) == world:
+                ready.append((step, steps.pop(step)))
         elif kind == "error":
             # a peer's death surfaces on the survivors as connection errors: name the cause
             cause = _silent_death(procs, done, wait_s=2.0)
@@ -164,6 +251,7 @@ def _collect(procs, q, on_step) -> dict:
             raise RunError(f"rank {rank} failed: {msg[2]}")
         else:
             done[rank] = pickle.loads(msg[2])
+    flush(wait=True)  # every rank passed its last gate before it reported done
     return done[0]
 
 
@@ -197,7 +285,8 @@ def run_in_process(scenario: Scenario, env: dict[str, str], on_step, debug: dict
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world, timeout=timedelta(seconds=scenario.real.timeout_s))
     runner = RankRunner(scenario, rank, device)
-    result = runner.run(on_step if rank == 0 else (lambda record: None), debug, run_dir, resume)
+    control = DistControl(rank, world, dist.group.WORLD, on_step)
+    result = runner.run(control, debug, run_dir, resume)
     del runner
     _tear_down()
     return result if rank == 0 else None

@@ -4,8 +4,9 @@ Per step: every layer forward (``LayerRunner``), the loss (MSE to the task's tar
 plus the aux loss) and its backward, the expert-gradient sync the controller planned
 (all-reduce or two-stage with cached groups, M8-M10), the router-gradient all-reduce,
 plain SGD on router and experts (expert pages updated wherever they live), and the
-heat update with its page moves. Each step's metrics are gathered on rank 0, which
-hands a ``StepRecord`` to ``report`` (the launcher streams it into the run folder).
+heat update with its page moves. Every step starts at the control plane's gate and
+ends by publishing the rank's metrics to it (``real.control``: the launcher, or rank 0
+under torchrun, merges them into a ``StepRecord`` that is streamed into the run folder).
 
 Around the steps: a resumed run first restores the latest complete checkpoint and
 starts from its step; after each step the due checkpoints are written (M23, in the
@@ -29,14 +30,13 @@ import torch
 import torch.distributed as dist
 
 from real.checkpoint import Checkpointer, checkpoint_dir
+from real.control import lead_fields
 from real.layer import LayerRunner
 from real.rank_state import ActivationMeter, RankState
 from real.task import SyntheticTask
 from testbed.errors import RunError, ScenarioError
 from testbed.planner import padded_elements
-from testbed.results import StepRecord
 from testbed.scenario import Scenario
-from testbed.stages import STAGES
 
 
 class RankRunner:
@@ -51,8 +51,9 @@ class RankRunner:
         self.routing: list[np.ndarray] = []  # rank 0: [L, W, E] per step
         self.trace: list[dict] = []
 
-    def run(self, report, debug: dict | None = None, run_dir: str | None = None, resume=None) -> dict:
-        """All steps (from the resume point on); rank 0 hands each record to ``report``.
+    def run(self, control, debug: dict | None = None, run_dir: str | None = None, resume=None) -> dict:
+        """All steps (from the resume point on); each step's metrics go to ``control``
+        (``real.control``: the launcher or rank 0 merges them into a record).
 
         ``run_dir``: the run folder (checkpoints and profiler traces go there).
         ``resume``: None = a fresh run; True = from the latest checkpoint complete on
@@ -80,26 +81,25 @@ class RankRunner:
         for step in range(first, s.run.steps):
             profiler.before(step)
             with profiler.step(step):
-                record = self.step(step)
-            if st.rank == 0:
-                report(record)
+                self.step(step, control)
             if ckpt is not None:
                 ckpt.after_step(step + 1, st, self.routing[-1] if st.rank == 0 else None)
             if fail_at and fail_at["rank"] == st.rank and step + 1 >= fail_at["after_steps"]:
                 os._exit(9)
+        control.finish()
         profiler.finish()
         if ckpt is not None:
             ckpt.close()  # every queued write on disk before the rank reports success
         return self._finish()
 
-    def step(self, step: int) -> StepRecord | None:
+    def step(self, step: int, control) -> None:
         s, st = self.s, self.st
         st.begin_step(step)
         x_TH, y_TH = (t.to(st.device) for t in self.task.batch(step, st.rank))
         # every rank starts the timed step together: the testbed's own metrics exchange at
-        # the end of the previous step (rank 0 gathers and reports) is not training work,
-        # and without this the other ranks would wait for it inside the next step's stages
-        dist.barrier(group=st.groups.get(st.groups.world))
+        # the end of the previous step is not training work, and without this the other
+        # ranks would wait for it inside the next step's stages
+        control.gate(step)
         t_start = st.clock.now()
         # the first MoE layer's input stands for the output of earlier layers: it needs a
         # gradient, so the first layer's dispatch backward runs like every other's
@@ -150,13 +150,10 @@ class RankRunner:
         for name, t0, t1 in regions:
             self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
-        gathered = [None] * self.world if st.rank == 0 else None
-        dist.gather_object(local, gathered, dst=0)
-        if st.rank != 0:
-            return None
-        self.routing.append(np.stack(routed))
+        if st.rank == 0:
+            self.routing.append(np.stack(routed))
         states = end.heat.state_counts() if end.heat is not None else None
-        return _merge(step, gathered, int(sum(r.sum() for r in routed)), dropped, cache, states)
+        control.publish(step, local, lead_fields(int(sum(r.sum() for r in routed)), dropped, cache, states))
 
     def _measured_heat(self) -> np.ndarray:
         """Expert kernel seconds per instance [L*E], summed over every replica and rank
@@ -329,33 +326,3 @@ def stream_of(stage: str) -> str:
     if stage in ("experts", "experts_backward", "optimizer", "heat", "route", "route_backward"):
         return "compute"
     return "comm"
-
-
-def _merge(step, gathered, routed, dropped, cache, states) -> StepRecord:
-    """One StepRecord from every rank's local metrics (see testbed.results for meanings)."""
-    n = len(gathered)
-    by_stage: dict[str, int] = {}
-    by_level: dict[str, int] = {}
-    for g in gathered:
-        for k, v in g["by_stage"].items():
-            by_stage[k] = by_stage.get(k, 0) + int(v)
-        for k, v in g["by_level"].items():
-            by_level[k] = by_level.get(k, 0) + int(v)
-    return StepRecord(
-        step=step,
-        step_time_s=max(g["step_time_s"] for g in gathered),
-        stage_time_s={s: sum(g["stage_time_s"].get(s, 0.0) for g in gathered) / n for s in STAGES},
-        bytes_by_stage=by_stage,
-        bytes_by_level=by_level,
-        peak_memory_bytes=max(g["peak"] for g in gathered),
-        routed_slots=routed,
-        dropped_slots=dropped,
-        page_moves=sum(g["page_moves"] for g in gathered),
-        page_bytes=sum(g["page_bytes"] for g in gathered),
-        page_stall_s=sum(g["stall_s"] for g in gathered) / n,
-        cache_hits=cache.hits if cache else 0,
-        cache_lookups=cache.lookups if cache else 0,
-        loss=sum(g["loss"] for g in gathered) / n,
-        aux_loss=sum(g["aux"] for g in gathered) / n,
-        expert_states=states,
-    )

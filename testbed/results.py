@@ -1,8 +1,14 @@
 """One results schema for both backends: per-step records and the run summary.
 
 Units: seconds (``*_s``), bytes (``*_bytes`` and ``bytes_by_*``). ``bytes_by_stage`` and
-``bytes_by_level`` count the wire bytes of every collective (``testbed.collectives``)
-and every host<->device page copy, summed over all ranks. ``dropped_token_fraction`` is
+``bytes_by_level`` count the payload bytes of every collective as the standard
+algorithm sends them (``testbed.collectives``: each rank-to-rank transfer once, at the
+level it crosses) and every host<->device page copy, summed over all ranks.
+``wire_bytes_by_level`` is what the fabric's links carried: bytes summed over every
+directed link of a level (a transfer between two nodes of a leaf crosses two NIC links),
+by the algorithm the library really runs, protocol headers and acknowledgements
+included; the real backend reads it from the kernel's counters of an emulated cluster,
+the simulator from its network model (None where neither applies). ``dropped_token_fraction`` is
 the fraction of routed (token, expert) slots dropped by capacity (M2).
 """
 
@@ -35,6 +41,8 @@ class StepRecord:
     loss: float | None = None
     aux_loss: float | None = None
     expert_states: dict[str, int] | None = None  # hot / warm / cold counts after a heat update
+    wire_bytes_by_level: dict[str, int] | None = None  # nvlink, leaf, spine (see module doc)
+    fitted_share: float | None = None  # simulator: fraction of the step's time from fitted constants
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -69,7 +77,17 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
         "page_moves_per_step": sum(r.page_moves for r in measured) / n if n else 0.0,
         "page_stall_s": statistics.median(r.page_stall_s for r in measured) if n else 0.0,
         "group_cache_hit_rate": (sum(r.cache_hits for r in measured) / lookups) if lookups else None,
+        "wire_bytes_by_level": _mean_levels([r.wire_bytes_by_level for r in measured]),
+        "fitted_share": statistics.median(f) if (f := [r.fitted_share for r in measured if r.fitted_share is not None]) else None,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
     })
     return out
+
+
+def _mean_levels(rows: list[dict | None]) -> dict[str, float] | None:
+    """Mean per level over steps, or None when no step has the figure."""
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return None
+    return {lv: sum(r.get(lv, 0) for r in rows) / len(rows) for lv in rows[0]}

@@ -220,6 +220,9 @@ class RealConfig:
     """Options of the PyTorch backend."""
 
     device: str = doc("cpu (gloo), cuda (NCCL, one rank per GPU) or auto", "auto", choices=("auto", "cpu", "cuda"))
+    network: str = doc("loopback (ranks talk over this machine's loopback) or emulated (each rank in its own network "
+                       "namespace, wired and rate-shaped as the cluster and its profile's links; needs root)",
+                       "loopback", choices=("loopback", "emulated"))
     timeout_s: float = doc("a collective that waits longer than this fails the run", 60.0, check=positive)
     check_weights: bool = doc("keep an unpaged copy of expert weights and check pages against it every step", False)
     profile: bool = doc("run the steps after warm-up under torch.profiler; each rank writes torch_trace_rank<r>.json into the run folder", False)
@@ -331,6 +334,9 @@ class Scenario:
             raise ScenarioError("pager.gpu_budget_bytes", self.pager.gpu_budget_bytes, "holds less than one page")
         if self.comm.token_strategy == "hierarchical":
             Layout(self).check_hierarchical()
+        if self.real.network == "emulated" and self.real.device == "cuda":
+            raise ScenarioError("real.network", "emulated", "an emulated cluster carries CPU ranks (gloo); "
+                                "set real.device = cpu or auto")
         for i, f in enumerate(self.faults):
             _check_fault(f"faults[{i}]", f, self.world_size)
 
