@@ -144,6 +144,7 @@ class ClusterSim:
         if faults and self.mode == "flow":
             self.network.refresh()
         base = self.memory_at_start()
+        carried = self.network.bytes_by_edge.copy()
         decisions = decide_step(self.controller, step, routed)
         phases = self.builder.build(decisions)
         world = self.layout.world
@@ -154,6 +155,7 @@ class ClusterSim:
         fig = figures(phases, tl, base, self.s.model.num_layers)
         self.clock = tl.t0 + fig.step_time_s
         self.events += len(phases) * world + len(tl.ops)
+        self.wire_bytes = self.network.wire_bytes_by_level(self.network.bytes_by_edge - carried, self.profile.protocol)
         return decisions, phases, tl, fig, faults, base
 
 
@@ -240,6 +242,8 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
         cache_hits=cache.hits if cache else 0,
         cache_lookups=cache.lookups if cache else 0,
         expert_states=states,
+        wire_bytes_by_level=sim.wire_bytes,
+        fitted_share=fig.fitted_share,
         extra={"layer_time_s": fig.layer_time_s, "exposed_s_mean": fig.exposed_s_mean,
                "host_bytes_by_stage": dict(sim.builder.host_bytes),
                "exposed_s_max": fig.exposed_s_max, "faults": [f.to_dict() for f in faults]},

@@ -1,19 +1,21 @@
 """Timing of collective ops on the network, by the algorithm the machine profile names.
 
 ``flows_for(op)`` is the one decomposition of an op into flows (used in both network
-modes): ``(src, dst, nbytes, fixed_latency_s)``. The op waits ``fixed_latency_s`` (the
-profile's per-call ``latency_us`` plus the algorithm's hop latencies), then its flows
-start together without their own path latency; the op ends when the last one arrives.
-With p members and the per-member ``size`` of ``CollectiveOp``:
+modes): ``(src, dst, nbytes, fixed_latency_s)``. The op waits ``fixed_latency_s``, then
+its flows start together without their own path latency; the op ends when the last one
+arrives. The fixed latency is the library's software cost, per call plus per sequential
+step of the algorithm (``SoftwareLatency``), and the path latency of each step. With p
+members and the per-member ``size`` of ``CollectiveOp``:
 
 - ring all_reduce: p flows member i -> i+1 of 2(p-1)/p * size each (a pipelined ring:
-  reduce-scatter then all-gather), latency 2(p-1) x the slowest hop's path latency;
-- ring all_gather: p flows of (p-1) * size, latency (p-1) hops;
-- ring reduce_scatter: p flows of (p-1)/p * size, latency (p-1) hops; with algorithm
+  reduce-scatter then all-gather), 2(p-1) steps, each at the slowest hop's latency;
+- ring all_gather: p flows of (p-1) * size, (p-1) steps;
+- ring reduce_scatter: p flows of (p-1)/p * size, (p-1) steps; with algorithm
   ``all_reduce`` (gloo) the all-reduce of the full input instead;
-- direct all_to_all_v: one flow per non-zero off-diagonal matrix entry, latency the
-  largest path latency among them;
-- p2p: one flow, its path latency.
+- direct all_to_all_v: one flow per non-zero off-diagonal matrix entry, all at once
+  (gloo posts every send and receive, then waits for them all): one step at the largest
+  path latency among them;
+- p2p: one flow, one step at its path latency.
 
 On one link class of bandwidth B this gives the nccl-tests closed forms: all-reduce
 time = 2(p-1)/p * S / B (bus bandwidth = algbw * 2(p-1)/p = B), all-gather and
@@ -29,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import simpy
 
+from sim.fabric import build_fabric
 from sim.network import Network
 from testbed.collectives import CollectiveOp
 from testbed.profile import MachineProfile
@@ -69,8 +72,9 @@ class CollectiveModel:
         self.env = network.env
         self.fabric = network.fabric
         self.profile = profile
-        self.call_latency = profile.collectives.latency_us * 1e-6  # s
-        self.measured = MeasuredCollectives(profile, world or network.fabric.world)
+        self.software = SoftwareLatency(profile, world or network.fabric.world)
+        self.call_latency = self.software.call_s  # s
+        self.step_latency = self.software.step_s  # s
 
     def algorithm(self, kind: str) -> str:
         """Algorithm of ``kind`` in the profile (p2p: direct)."""
@@ -132,28 +136,48 @@ class CollectiveModel:
             src, dst, nbytes = m[i[keep]], m[j[keep]], mat[i[keep], j[keep]]
             if len(src) == 0:
                 return empty if p < 2 else Flows(src, dst, nbytes, self.call_latency)
-            return Flows(src, dst, nbytes, self.call_latency + float(self.fabric.paths(src, dst).latency.max()))
+            return Flows(src, dst, nbytes, self.fixed_latency(1, float(self.fabric.paths(src, dst).latency.max())))
         if atom.kind == "p2p":
             if m[0] == m[1]:
                 return empty
             lat = float(self.fabric.paths(m[:1], m[1:2]).latency[0])
-            return Flows(m[:1], m[1:2], np.array([float(atom.size)]), self.call_latency + lat)
+            return Flows(m[:1], m[1:2], np.array([float(atom.size)]), self.fixed_latency(1, lat))
         if p < 2:
             return empty
         per_flow, steps = ring_share(atom.kind, p, atom.size)
         src, dst = m, np.roll(m, -1)
         hop = float(self.fabric.paths(src, dst).latency.max())  # the ring runs at its slowest hop
-        return Flows(src, dst, np.full(p, float(per_flow)), self.call_latency + steps * hop)
+        return Flows(src, dst, np.full(p, float(per_flow)), self.fixed_latency(steps, hop))
+
+    def fixed_latency(self, steps: int, hop_s: float) -> float:
+        """Seconds before an atom's bytes flow: one call, and ``steps`` sequential steps
+        each paying the library's step cost and the path latency ``hop_s``."""
+        return self.call_latency + steps * (self.step_latency + hop_s)
+
+    def fitted_seconds(self, op: CollectiveOp) -> float:
+        """Seconds of ``op``'s time that come from fitted constants (the software latency of
+        a calibrated profile; 0 otherwise): per stage, the call and step costs of its
+        atoms."""
+        if not self.software.fitted:
+            return 0.0
+        total = 0.0
+        for stage in self.stages(op):
+            total += max((self.software_steps(a) for a in stage), default=0) * self.step_latency + self.call_latency
+        return total
+
+    @staticmethod
+    def software_steps(atom: Atom) -> int:
+        """Sequential steps of an atom's algorithm (module doc)."""
+        p = len(atom.members)
+        if atom.kind in ("all_to_all_v", "p2p"):
+            return 1
+        return ring_share(atom.kind, p, 0)[1] if p > 1 else 0
 
     def run(self, op: CollectiveOp) -> simpy.Process:
         """A process that takes the op's simulated time; ``yield model.run(op)``."""
         return self.env.process(self._run(op))
 
     def _run(self, op: CollectiveOp):
-        measured = self.measured.seconds(op)
-        if measured is not None:  # what this machine's library was measured to take
-            yield self.env.timeout(measured)
-            return
         for stage in self.stages(op):
             flows = [self.atom_flows(a) for a in stage]
             latency = max((f.fixed_latency_s for f in flows), default=0.0)
@@ -163,42 +187,20 @@ class CollectiveModel:
                                                                   path_latency=False) for f in flows])
 
 
-class MeasuredCollectives:
-    """Collective times from a calibrated profile's ``measured.collectives`` entries.
-
-    An entry (kind, group size, world) says: with ``world`` ranks running groups of that
-    size at once, a call takes ``latency + bytes per member / bandwidth``. Entries of the
-    measured world nearest to the scenario's are used; group sizes between two measured
-    ones are interpolated linearly, outside them the nearest is taken.
-    """
+class SoftwareLatency:
+    """The communication library's software cost: per call and per sequential algorithm
+    step, seconds. From a calibrated profile's ``measured.collective_latency`` (the entry of
+    the measured world nearest to the scenario's: the cost grows with ranks per core), which
+    makes them *fitted* constants, or else the profile's ``collectives`` figures."""
 
     def __init__(self, profile: MachineProfile, world: int):
-        rows = profile.measured.collectives
-        worlds = sorted({r["world"] for r in rows})
-        self.table: dict[str, list[tuple[int, float, float]]] = {}
-        if not worlds:
-            return
-        nearest = min(worlds, key=lambda w: (abs(w - world), w))
-        for r in rows:
-            if r["world"] == nearest:
-                self.table.setdefault(r["kind"], []).append((r["group_size"], r["latency_us"] * 1e-6, r["GBps"] * 1e9))
-        for entries in self.table.values():
-            entries.sort()
-
-    def seconds(self, op: CollectiveOp) -> float | None:
-        entries = self.table.get(op.kind)
-        p = len(op.members)
-        if not entries or (op.kind == "p2p" and op.members[0] == op.members[1]) or (op.kind != "p2p" and p < 2):
-            return None if not entries else 0.0
-        sizes = np.array([e[0] for e in entries], dtype=float)
-        lat = np.interp(p, sizes, [e[1] for e in entries])
-        bw = np.interp(p, sizes, [e[2] for e in entries])
-        if op.kind == "all_to_all_v":
-            m = np.asarray(op.matrix, dtype=np.float64)
-            nbytes = float((m.sum(axis=1) - np.diag(m)).max())
+        rows = profile.measured.collective_latency
+        if rows:
+            row = min(rows, key=lambda r: (abs(r["world"] - world), r["world"]))
+            self.call_s, self.step_s, self.fitted = row["call_us"] * 1e-6, row["step_us"] * 1e-6, True
         else:
-            nbytes = float(op.size)
-        return float(lat + nbytes / bw)
+            c = profile.collectives
+            self.call_s, self.step_s, self.fitted = c.latency_us * 1e-6, c.step_latency_us * 1e-6, False
 
 
 def ring_share(kind: str, p: int, size: float) -> tuple[float, int]:
@@ -249,11 +251,7 @@ class AnalyticTimer:
 
     def seconds(self, op: CollectiveOp) -> float:
         """Seconds ``op`` takes alone on the fabric: per stage of its algorithm, the largest
-        fixed latency of its atoms plus the bottleneck link of their flows together (or the
-        profile's measured time for ops of its kind and size)."""
-        measured = self.model.measured.seconds(op)
-        if measured is not None:
-            return measured
+        fixed latency of its atoms plus the bottleneck link of their flows together."""
         total = 0.0
         for stage in self.model.stages(op):
             load = None
@@ -291,13 +289,23 @@ class AnalyticTimer:
             used = nbytes > 0
             if not used.any():
                 return model.call_latency, None  # the call costs its latency, moves nothing
-            fixed = model.call_latency + float(pat.latency[used].max())
+            fixed = model.fixed_latency(1, float(pat.latency[used].max()))
         elif atom.kind == "p2p":
             nbytes = np.array([float(atom.size)])
-            fixed = model.call_latency + float(pat.latency[0])
+            fixed = model.fixed_latency(1, float(pat.latency[0]))
         else:
             per_flow, steps = ring_share(atom.kind, p, atom.size)
             nbytes = np.full(p, float(per_flow))
-            fixed = model.call_latency + steps * float(pat.latency.max())
+            fixed = model.fixed_latency(steps, float(pat.latency.max()))
         load = np.bincount(pat.edges, weights=np.repeat(nbytes, pat.hops), minlength=self.fabric.num_edges)
         return fixed, load
+
+
+def seconds_alone(scenario, profile: MachineProfile, op: CollectiveOp) -> tuple[float, dict[str, int]]:
+    """(seconds, wire bytes by level) of ``op`` alone on ``scenario``'s fabric, by the flow
+    model with ``profile``'s algorithms: what ``testbed net probe`` sets against gloo."""
+    env = simpy.Environment()
+    network = Network(env, build_fabric(scenario, profile), "flow", coalesce=0.0)
+    model = CollectiveModel(network, profile, scenario.world_size)
+    env.run(model.run(op))
+    return env.now, network.wire_bytes_by_level(network.bytes_by_edge, profile.protocol)

@@ -280,6 +280,14 @@ class Network:
         by = np.bincount(self.fabric.level, weights=self.bytes_by_edge, minlength=len(LEVELS))
         return {name: float(by[i]) for i, name in enumerate(LEVELS)}
 
+    def wire_bytes_by_level(self, payload_by_edge: np.ndarray, protocol) -> dict[str, int]:
+        """What the links of each network level carried for ``payload_by_edge`` payload bytes
+        (per edge): summed over the level's directed links, with the profile's ``protocol``
+        overhead (headers forward, acknowledgements back on the same level)."""
+        per_byte = 1.0 / protocol.payload_fraction + protocol.ack_fraction
+        by = np.bincount(self.fabric.level, weights=payload_by_edge, minlength=len(LEVELS))
+        return {LEVELS[i]: int(round(by[i] * per_byte)) for i in range(3)}
+
     def utilization_by_level(self, elapsed: float, active_only: bool = False) -> dict[str, float]:
         """Bytes carried / (nominal capacity x ``elapsed`` seconds) per level.
 

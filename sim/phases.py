@@ -58,6 +58,7 @@ class Phase:
     waits_for_pages: int = -1  # index of the copy phase this one waits for (stall accounting)
     mem_delta: np.ndarray | None = None  # [W] bytes allocated (+) or freed (-) when it ends
     mem_transient: np.ndarray | None = None  # [W] bytes held only while it runs (comm buffers)
+    fitted: bool = False  # its seconds come from fitted constants (the host cost of a stage)
 
 
 @dataclass
@@ -249,7 +250,7 @@ class PhaseBuilder:
         fixed, per_byte = self.host_s.get(stage, (0.0, 0.0))
         seconds = fixed + per_byte * work_bytes
         if np.any(seconds > 0):
-            self.chain(stage, layer, "compute", "compute", seconds=seconds)
+            self.chain(stage, layer, "compute", "compute", seconds=seconds, fitted=True)
 
     def add(self, stage, layer, kind, stream, deps, **data) -> int:
         if kind == "ops" and "mem_transient" not in data:

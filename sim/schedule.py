@@ -12,8 +12,10 @@ Two executors give the same answer where both apply:
   phases; collectives and page copies are flows on the max-min fair network, so
   concurrent traffic shares links.
 
-Both return ``Timeline``: ``start[p, r]``, ``end[p, r]`` (seconds) and the collectives
-with their start and end (for link counters in the trace). A rank that is not a member of
+Both return ``Timeline``: ``start[p, r]``, ``end[p, r]`` (seconds), ``fitted[p, r]`` (the
+seconds of that phase that come from fitted constants: a host-cost phase whole, a
+collective's calibrated software latency) and the collectives with their start and end
+(for link counters in the trace). A rank that is not a member of
 any op of an ``ops`` phase passes it at once.
 """
 
@@ -36,6 +38,20 @@ class Timeline:
     end: np.ndarray  # [phases, ranks] seconds
     ops: list  # (op, start_s, end_s)
     t0: float
+    fitted: np.ndarray | None = None  # [phases, ranks] seconds from fitted constants
+
+
+def fitted_seconds(ph: Phase, model: CollectiveModel, world: int) -> np.ndarray:
+    """[W] seconds of a phase that come from fitted constants: all of a fitted (host-cost)
+    phase; for collectives, per rank the largest fitted latency among its concurrent ops."""
+    if ph.kind in ("compute", "wait"):
+        return ph.seconds if ph.fitted else np.zeros(world)
+    out = np.zeros(world)
+    if ph.kind == "ops" and model.software.fitted:
+        for op in ph.ops:
+            m = np.asarray(op.members)
+            out[m] = np.maximum(out[m], model.fitted_seconds(op))
+    return out
 
 
 def copy_seconds(ph: Phase, h2d_bw: np.ndarray, d2h_bw: np.ndarray, latency_s: float) -> np.ndarray:
@@ -55,6 +71,7 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
     clock = {s: np.full(world, t0) for s in STREAMS}
     start = np.empty((len(phases), world))
     end = np.empty((len(phases), world))
+    fitted = np.empty((len(phases), world))
     members: dict[tuple, np.ndarray] = {}
     log = []
     for p, ph in enumerate(phases):
@@ -80,8 +97,9 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
                 done[m] = np.maximum(done[m], e)
                 log.append((op, s, e))
         start[p], end[p] = ready, done
+        fitted[p] = fitted_seconds(ph, timer.model, world)
         clock[ph.stream] = done
-    return Timeline(start, end, log, t0)
+    return Timeline(start, end, log, t0, fitted)
 
 
 def run_flows(phases: list[Phase], world: int, model: CollectiveModel, t0: float,
@@ -144,4 +162,5 @@ def run_flows(phases: list[Phase], world: int, model: CollectiveModel, t0: float
     env.run(until=simpy.AllOf(env, procs))
     if pending:
         raise RuntimeError(f"{len(pending)} collectives never started: ranks disagree on the ops")
-    return Timeline(start, end, log, t0)
+    fitted = np.stack([fitted_seconds(ph, model, world) for ph in phases]) if phases else np.zeros((0, world))
+    return Timeline(start, end, log, t0, fitted)

@@ -4,8 +4,10 @@ Per rank: seconds per stage and per layer (busy time of each phase, waits for sl
 members included, as the real backend measures them), *exposed* time (the step minus the
 time its compute stream is busy: communication, copies and stragglers it could not
 hide), page stall (time the experts waited for page loads beyond their other inputs),
-and memory over the step (``Phase.mem_delta`` / ``mem_transient`` on top of what the GPU
-held when the step began). Step figures: stage and layer times are means over ranks,
+memory over the step (``Phase.mem_delta`` / ``mem_transient`` on top of what the GPU
+held when the step began), and the share of its time that comes from fitted constants
+(``Timeline.fitted``: host costs per stage and a calibrated library latency, against
+measured link rates, latencies and kernel rates). Step figures: stage and layer times are means over ranks,
 the step time and memory peak are the largest.
 
 The Chrome trace shows ``trace_ranks`` ranks (process = GPU, thread = stream), a memory
@@ -37,6 +39,7 @@ class StepFigures:
     page_stall_s: float
     peak_memory_bytes: int
     memory: np.ndarray  # [P, W] bytes held during each phase
+    fitted_share: float  # mean over ranks of the share of its step time from fitted constants
 
 
 def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_layers: int) -> StepFigures:
@@ -57,13 +60,15 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
             stall += np.clip(tl.end[ph.waits_for_pages] - ready, 0, None)
     memory = memory_timeline(phases, base_memory)
     peak = memory.max(axis=0)
+    fitted = np.minimum(tl.fitted, busy).sum(axis=0) if tl.fitted is not None else np.zeros(world)
+    share = np.divide(fitted, rank_time, out=np.zeros(world), where=rank_time > 0)
     return StepFigures(
         step_time_s=float(rank_time.max()),
         stage_time_s={s: float(by_stage[i].mean()) for i, s in enumerate(STAGES)},
         layer_time_s=[float(v) for v in by_layer.mean(axis=1)],
         exposed_s_mean=float(exposed.mean()), exposed_s_max=float(exposed.max()),
         page_stall_s=float(stall.mean()),
-        peak_memory_bytes=int(peak.max()), memory=memory,
+        peak_memory_bytes=int(peak.max()), memory=memory, fitted_share=float(share.mean()),
     )
 
 

@@ -11,8 +11,10 @@ dataclasses below; ``field_docs()`` lists them):
 - ``[compute]``: peak FLOP/s per dtype, efficiency curves of expert GEMMs by tokens per
   expert for the grouped and the per-expert loop kernel (M22), memory bandwidth, launch;
 - ``[copy]``: host<->device copy bandwidth by page size, per-copy latency, overlap;
-- ``[collectives]``: algorithm per collective kind, per-call latency, communicator
-  creation (M10), discovery;
+- ``[collectives]``: algorithm per collective kind, per-call and per-step latency,
+  communicator creation (M10), discovery;
+- ``[protocol]`` (optional): what the transport adds on the wire (headers, acknowledgements),
+  for links whose figures are wire rates (an emulated cluster's shaped links);
 - ``[overheads]``: heat-map update and router fixed costs.
 
 Lookup (``load_profile``): an existing file path, else ``./profiles/NAME.toml`` (user or
@@ -38,7 +40,7 @@ from testbed.checks import efficiency, fraction, non_negative, positive
 from testbed.errors import ScenarioError
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
-BUILTINS = ("local-cpu", "a100-seed", "h200")
+BUILTINS = ("local-cpu", "emulated", "a100-seed", "h200")
 #: algorithms the simulator can time, per collective kind (first = standard)
 ALGORITHMS = {
     "all_reduce": ("ring", "hierarchical"),
@@ -175,6 +177,10 @@ class Algorithms:
     all_to_all_v: str = _text("direct (one message per pair)", ALGORITHMS["all_to_all_v"])
 
 
+def _optional_num(doc: str, default: float, check: Callable[[float], str | None] = non_negative):
+    return field(default=default, metadata={"doc": doc, "kind": "float", "check": check, "optional": True})
+
+
 @dataclass(frozen=True)
 class CollectiveFigures:
     """Communication library costs."""
@@ -185,6 +191,23 @@ class CollectiveFigures:
     group_create_scope: str = _text("who pays for a new communicator: members (NCCL) or all ranks (torch new_group on gloo)", ("members", "all"))
     discovery_us: float = _num("one active-group discovery round on a cache miss (M10), us", non_negative)
     communicator_MiB: float = _num("device memory one communicator holds on each member (M10), MiB", non_negative)
+    step_latency_us: float = _optional_num(
+        "software cost of each sequential step of an algorithm (a message arrives, the rank wakes and sends the "
+        "next one; on CPU ranks that share cores, mostly the scheduler's wake-up), us; default 0", 0.0)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What the transport puts on the wire besides the payload (an emulated cluster's TCP).
+
+    With ``payload_fraction`` < 1 the link figures are wire rates (what the links are
+    shaped to): a flow gets ``payload_fraction`` of a link's bandwidth for its payload, and
+    a link carries ``payload / payload_fraction`` bytes forward plus ``ack_fraction x
+    payload`` bytes of acknowledgements back.
+    """
+
+    payload_fraction: float = _optional_num("payload bytes per byte on the wire (headers), 0 < f <= 1", 1.0, efficiency)
+    ack_fraction: float = _optional_num("acknowledgement bytes sent back per payload byte", 0.0)
 
 
 @dataclass(frozen=True)
@@ -204,10 +227,11 @@ class Measured:
     """What ``testbed calibrate`` measured on this machine (all optional). Where an entry
     fits a scenario, the simulator uses it instead of the link and roofline models."""
 
-    collectives: tuple = _rows(
-        "alpha-beta cost of a collective with all groups of its size busy at once: time = "
-        "latency_us + bytes per member / GBps (all_to_all_v: the largest send of a member)",
-        kind=str, group_size=int, world=int, latency_us=float, GBps=float)
+    collective_latency: tuple = _rows(
+        "software latency of the communication library with `world` ranks on this machine's cores, fitted to "
+        "tiny collectives of every kind: call_us per call plus step_us per sequential step of the algorithm "
+        "(replaces collectives.latency_us and step_latency_us; the network model still times the bytes)",
+        world=int, call_us=float, step_us=float)
     compute_scale: tuple = _rows(
         "compute time of one rank with `world` ranks busy, relative to the compute figures",
         world=int, factor=float)
@@ -235,6 +259,8 @@ class MachineProfile:
     copy: CopyFigures = _section(CopyFigures, "host <-> device page copies")
     collectives: CollectiveFigures = _section(CollectiveFigures, "communication library")
     overheads: Overheads = _section(Overheads, "testbed bookkeeping")
+    protocol: Protocol = field(default_factory=Protocol, metadata={
+        "doc": "transport overhead on the wire (optional)", "kind": "section", "cls": Protocol, "optional": True})
     measured: Measured = field(default_factory=Measured, metadata={
         "doc": "what testbed calibrate measured (optional)", "kind": "section", "cls": Measured, "optional": True})
 
