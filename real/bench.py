@@ -1,0 +1,186 @@
+"""Micro-benchmarks that ``testbed calibrate`` runs in rank processes.
+
+Ranks are started as a real run starts them (spawned, pinned to cores, gloo; on an
+emulated cluster each in its network namespace) and measure, all at the same time:
+
+- ``software_latency``: tiny collectives of every kind the planner uses, at every group
+  size that divides the world with all groups busy, timed in back-to-back bursts as a
+  step issues them. Their bytes are negligible, so what they take is the library's
+  software cost (per call, per algorithm step) and the links' latency.
+- ``link_rate`` (loopback only): ranks in pairs exchange large messages both ways at
+  once, so every "link" of the loopback carries traffic: bytes per second per direction.
+- ``contended_ffn``: an expert FFN forward + backward on every rank at once (compute
+  contention for cores and memory).
+
+Nothing here fits anything; ``real.calibrate`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from real.comm import Comm
+from real.launch import pin_to_core
+from real.netem import enter_namespace
+from testbed.collectives import ByteLedger
+from testbed.errors import RunError
+from testbed.scenario import Scenario
+from testbed.topology import Layout
+
+KINDS = ("all_to_all_v", "all_gather", "reduce_scatter", "all_reduce", "p2p")
+TINY_BYTES = 64  # per member: the software cost, not the bytes
+RATE_BYTES = 8 * 2**20  # per direction of a pair in the loopback link-rate benchmark
+
+
+def timed(fn, reps: int, burst: int = 4) -> float:
+    """Seconds per call of ``fn``: the median over ``reps`` bursts of ``burst`` calls issued
+    back to back after a barrier, as a training step issues its collectives (a single
+    call after a barrier also pays waking every peer, which back-to-back calls hide)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        out.append((time.perf_counter() - t0) / burst)
+    return float(np.median(out))
+
+
+def _groups(world: int) -> list[int]:
+    return [g for g in range(2, world + 1) if world % g == 0]
+
+
+def software_latency(rank: int, world: int, reps: int) -> list[dict]:
+    """Rows (kind, group_size, seconds) of tiny collectives, all groups of a size busy at once.
+    Groups are contiguous ranks (a node, then a leaf, ...)."""
+    layout = Layout(Scenario.from_dict({"cluster": {"gpus_per_node": world, "nodes_per_microcluster": 1,
+                                                    "microclusters": 1}, "parallelism": {"ep_size": 1}}))
+    comm = Comm(rank, ByteLedger(layout), lambda: "route")
+    rows = []
+    for g in _groups(world):
+        groups = [tuple(range(i, i + g)) for i in range(0, world, g)]
+        handles = [dist.new_group(list(m)) for m in groups]  # every rank, same order
+        members, pg = groups[rank // g], handles[rank // g]
+        me = members.index(rank)
+        x = torch.ones(max(g, TINY_BYTES // 4 // g * g))
+        split = [x.numel() // g] * g
+        calls = {
+            "all_to_all_v": lambda: comm.all_to_all(x, split, split, members, pg),
+            "all_gather": lambda: comm.all_gather(x, members, pg),
+            "reduce_scatter": lambda: comm.reduce_scatter(x, members, pg),
+            "all_reduce": lambda: comm.all_reduce(x, members, pg),
+        }
+        if g == 2:  # p2p between pairs: one sends, the other receives
+            peer = members[1 - me]
+            calls["p2p"] = lambda: comm.p2p([("send" if me == 0 else "recv", x, peer)])
+        for kind, fn in calls.items():
+            rows.append({"kind": kind, "group_size": g, "members": members, "seconds": timed(fn, reps)})
+    return rows
+
+
+def link_rate(rank: int, world: int, reps: int) -> float:
+    """Bytes/s per direction when every rank exchanges ``RATE_BYTES`` with a partner at once."""
+    peer = rank ^ 1
+    if peer >= world:
+        return 0.0
+    send = torch.ones(RATE_BYTES // 4)
+    recv = torch.empty_like(send)
+
+    def exchange():
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return RATE_BYTES / timed(exchange, reps, burst=2)
+
+
+def ffn_seconds(tokens: int, hidden: int, ffn: int, reps: int = 5) -> float:
+    """Forward + backward seconds of one expert FFN on ``tokens`` rows (fp32, this process)."""
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(hidden, ffn, generator=g, requires_grad=True)
+    w2 = torch.randn(ffn, hidden, generator=g, requires_grad=True)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+
+    def once():
+        y = torch.nn.functional.gelu(x @ w1) @ w2
+        y.sum().backward()
+
+    once()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        out.append(time.perf_counter() - t0)
+    return float(np.median(out))
+
+
+def _rank_main(rank: int, world: int, store_path: str, q, reps: int, shape: tuple[int, int, int],
+               netns: tuple[str, str] | None, loopback: bool):
+    try:
+        if netns is not None:
+            enter_namespace(netns[0])
+            os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        pin_to_core(rank)  # as the real backend's ranks run
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        out = {"latency": software_latency(rank, world, reps)}
+        if loopback:
+            out["link_Bps"] = link_rate(rank, world, reps)
+        dist.barrier()
+        out["busy_ffn_s"] = ffn_seconds(*shape)  # every rank at once: contention for cores and memory
+        q.put(("done", rank, pickle.dumps(out)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which stops the others
+        q.put(("error", rank, f"{type(e).__name__}: {e}"))
+
+
+def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=None) -> dict:
+    """Run the rank benchmarks with ``world`` ranks (on ``fabric``'s namespaces when given).
+
+    Returns ``latency`` rows (the slowest member's seconds per row), ``link_Bps`` (loopback:
+    the median over ranks) and ``busy_ffn_s`` (median over ranks)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="testbed-calibrate-") as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(
+            r, world, str(Path(tmp) / "store"), q, reps, shape,
+            (fabric.rank_namespace(r), fabric.rank_interface(r)) if fabric is not None else None, fabric is None))
+            for r in range(world)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            while len(results) < world:
+                try:
+                    kind, rank, payload = q.get(timeout=600)
+                except queue_mod.Empty:
+                    raise RunError(f"calibration with {world} ranks made no progress for 10 minutes") from None
+                if kind == "error":
+                    raise RunError(f"calibration rank {rank} failed: {payload}")
+                results[rank] = pickle.loads(payload)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    rows = [dict(r) for r in results[0]["latency"]]
+    for i, row in enumerate(rows):  # the slowest member sets a collective's pace
+        row["seconds"] = max(results[k]["latency"][i]["seconds"] for k in results)
+    out = {"latency": rows, "busy_ffn_s": float(np.median([results[k]["busy_ffn_s"] for k in results]))}
+    if fabric is None:
+        out["link_Bps"] = float(np.median([results[k]["link_Bps"] for k in results if results[k]["link_Bps"] > 0]))
+    return out
