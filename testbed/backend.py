@@ -1,7 +1,8 @@
-"""The backend interface and the registry that finds a backend by name.
+"""The backend interface and the registry that finds a backend, or a backend's tool, by name.
 
 ``testbed`` never imports a backend at module level (DESIGN: sim -> testbed <- real);
-``get_backend("sim")`` imports ``sim.backend`` when it is asked for.
+``get_backend("sim")`` imports ``sim.backend`` when it is asked for, and ``get_tool``
+does the same for the commands a backend provides (calibration, the emulated network).
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
 
 BACKENDS = {"sim": "sim.backend:SimBackend", "real": "real.backend:RealBackend"}
+#: commands of the backends, looked up by name like the backends themselves
+TOOLS = {
+    "calibrate": "real.calibrate:calibrate",  # measure this machine, write a profile
+    "net-leftovers": "real.netem:leftovers",  # emulated clusters on this machine
+    "net-clean": "real.netem:clean",  # remove what killed emulated runs left behind
+    "net-probe": "real.netem.probe:probe",  # measure the emulated links and gloo's algorithms
+    "sim-collective-seconds": "sim.collective_model:seconds_alone",  # an op timed alone, by algorithm
+}
 
 
 @dataclass
@@ -39,6 +48,12 @@ class Backend(Protocol):
     def run(self, scenario: Scenario, *, progress: bool = False,
             on_step: Callable[[StepRecord], None] | None = None) -> RunResult:
         """Run every step of ``scenario``; call ``on_step`` as each step completes."""
+
+
+def get_tool(name: str):
+    """The function a backend provides under ``name`` (see ``TOOLS``), imported now."""
+    module, attr = TOOLS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def get_backend(name: str) -> Backend:

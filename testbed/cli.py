@@ -7,11 +7,11 @@ Every user error (bad scenario, missing file, unknown backend) is printed as one
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
 
+from testbed.backend import get_tool
 from testbed.errors import run_as_command
 from testbed.scenario import field_docs
 from testbed.scenario_file import load_scenario
@@ -52,14 +52,33 @@ def _parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="measure this machine with the real backend and write profiles/NAME.toml")
     cal.add_argument("--name", required=True, help="profile name (use it as cluster.profile = NAME)")
-    cal.add_argument("--ranks", type=int, default=4, help="largest number of ranks to measure with (default 4)")
-    cal.add_argument("--base", default="local-cpu", help="profile whose link figures are kept (default local-cpu)")
+    cal.add_argument("--fabric", default="loopback", choices=("loopback", "emulated"),
+                     help="ranks over loopback (default) or on the emulated cluster (root)")
+    cal.add_argument("--ranks", type=int, default=4, help="loopback: largest number of ranks to measure with (default 4)")
+    cal.add_argument("--base", default=None,
+                     help="profile whose link figures are kept (default local-cpu; emulated: emulated)")
     cal.add_argument("--output-dir", default="profiles", help="where the profile goes (default ./profiles)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about half the time)")
     cal.set_defaults(func=_cmd_calibrate)
 
     fld = sub.add_parser("fields", help="list every scenario field with its default and meaning")
     fld.set_defaults(func=_cmd_fields)
+
+    net = sub.add_parser("net", help="the emulated cluster network (real.network = emulated; needs root)")
+    net_sub = net.add_subparsers(dest="net_command", required=True)
+    ls = net_sub.add_parser("list", help="emulated clusters on this machine, their owner and whether it lives")
+    ls.set_defaults(func=_cmd_net_list)
+    clean = net_sub.add_parser("clean", help="remove the namespaces (and processes in them) of killed emulated runs")
+    clean.add_argument("--force", action="store_true", help="also those of live runs")
+    clean.set_defaults(func=_cmd_net_clean)
+    probe = net_sub.add_parser("probe", help="measure an emulated cluster's links and which algorithms gloo runs")
+    probe.add_argument("config", nargs="?", help="scenario whose cluster and profile to probe (default: 2 x 2 x 2 "
+                       "on the emulated profile)")
+    probe.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    probe.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    probe.add_argument("--write", metavar="PROFILE.toml", help="write a copy of the profile with the measured "
+                       "latencies and protocol overhead")
+    probe.set_defaults(func=_cmd_net_probe)
     return p
 
 
@@ -89,11 +108,34 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    # the real backend is found by name, like a backend: testbed does not import it at load
-    calibrate = importlib.import_module("real.calibrate").calibrate
+    calibrate = get_tool("calibrate")  # found by name, like a backend: testbed never imports real
     path = calibrate(args.name, ranks=args.ranks, base=args.base, out_dir=args.output_dir, quick=args.quick,
-                     log=lambda line: print(line, file=sys.stderr))
+                     fabric=args.fabric, log=lambda line: print(line, file=sys.stderr))
     print(path)
+    return 0
+
+
+def _cmd_net_list(args) -> int:
+    rows = get_tool("net-leftovers")()
+    if not rows:
+        print("no emulated clusters on this machine")
+    for r in rows:
+        owner = "alive" if r.get("owner_alive") else "gone"
+        print(f"{r['run_id']}  owner {r.get('owner_pid')} ({owner})  {len(r['namespaces'])} namespaces")
+    return 0
+
+
+def _cmd_net_clean(args) -> int:
+    removed = get_tool("net-clean")(force=args.force)
+    print(f"removed {len(removed)} namespaces" + (": " + " ".join(removed) if removed else ""))
+    return 0
+
+
+def _cmd_net_probe(args) -> int:
+    from testbed.net_probe import format_probe, probe_scenario
+
+    result = probe_scenario(args.config, args.overrides, write=args.write)
+    print(json.dumps(result) if args.json else format_probe(result))
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import tomllib
@@ -36,9 +38,10 @@ def apply_override(data: dict, item: str) -> None:
     section[parts[1]] = value
 
 
-def load_scenario(path: str | Path | None = None, overrides=()) -> Scenario:
-    """The scenario of ``path`` (None: every default) with ``overrides`` applied, validated."""
-    data = {} if path is None else read_toml(path)
+def load_scenario(path: str | Path | None = None, overrides=(), base: dict | None = None) -> Scenario:
+    """The scenario of ``path`` (None: ``base``, or every default) with ``overrides``
+    applied, validated."""
+    data = (copy.deepcopy(base) if base else {}) if path is None else read_toml(path)
     for item in overrides:
         apply_override(data, item)
     return Scenario.from_dict(data)
