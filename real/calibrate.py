@@ -44,6 +44,7 @@ import torch
 
 from real.bench import ffn_seconds, measure_world
 from real.netem import EmulatedFabric
+from testbed.collectives import algorithm_steps
 from testbed.errors import ScenarioError
 from testbed.links import path_latency_s
 from testbed.profile import (Algorithms, CopyFigures, Efficiency, LinkFigures, Links, MachineProfile, Measured,
@@ -102,34 +103,28 @@ def calibration_scenarios(world: int, output_dir: str, fabric: str = "loopback",
 
 
 # ---- fits ----------------------------------------------------------------------------------
-def algorithm_steps(kind: str, p: int, algorithm: Algorithms) -> int:
-    """Sequential steps of ``kind`` on ``p`` members by the profile's algorithms (the
-    simulator's collective model counts them the same way)."""
-    if kind in ("all_to_all_v", "p2p"):
-        return 1
-    if kind == "reduce_scatter" and algorithm.reduce_scatter == "all_reduce":
-        kind = "all_reduce"
-    return 2 * (p - 1) if kind == "all_reduce" else p - 1
-
-
 def fit_software_latency(rows: list[dict], world: int, cluster, profile: MachineProfile) -> dict:
     """Least squares ``seconds = call + steps x (step + hop latency)`` over every kind and
-    group size (the links' hop latency is the profile's, so it is not fitted twice);
-    call, step >= 0. Returns a ``measured.collective_latency`` row."""
+    group size, steps by ``testbed.collectives.algorithm_steps`` (the links' hop latency
+    is the profile's, so it is not fitted twice); call, step >= 0. Returns a
+    ``measured.collective_latency`` row."""
     steps, y = [], []
     for r in rows:
         m = r["members"]
-        n = algorithm_steps(r["kind"], r["group_size"], profile.collectives.algorithm)
-        hops = [path_latency_s(cluster, profile, a, b) for a, b in zip(m, m[1:] + m[:1])]
+        n = algorithm_steps(r["kind"], r["group_size"], profile.collectives.algorithm.reduce_scatter == "all_reduce")
+        if r["kind"] in ("all_to_all_v", "p2p"):  # every message in flight at once: one path latency
+            links = max(path_latency_s(cluster, profile, a, b) for a in m for b in m)
+        else:  # a ring: each step waits for its slowest hop
+            links = n * max(path_latency_s(cluster, profile, a, b) for a, b in zip(m, m[1:] + m[:1]))
         steps.append(n)
-        y.append(r["seconds"] - n * max(hops))
+        y.append(r["seconds"] - links)
     X = np.column_stack([np.ones(len(steps)), steps])
     (call, step), *_ = np.linalg.lstsq(X, np.array(y), rcond=None)
     if step < 0:
         call, step = float(np.mean(y)), 0.0
     if call < 0:
         call, step = 0.0, float(np.dot(steps, y) / np.dot(steps, steps))
-    return {"world": world, "call_us": max(call, 0.0) * 1e6, "step_us": max(step, 0.0) * 1e6}
+    return {"world": world, "call_us": float(max(call, 0.0) * 1e6), "step_us": float(max(step, 0.0) * 1e6)}
 
 
 # ---- measurements in this process -----------------------------------------------------------
@@ -165,6 +160,11 @@ def _copy_table() -> tuple[list[list[float]], float]:
         dst.copy_(src)
     latency_us = (time.perf_counter() - t0) / 200 * 1e6
     return table, latency_us
+
+
+def _cores() -> int:
+    """Cores this process (and the ranks it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _alone(world: int) -> float:
@@ -290,7 +290,7 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
         date=datetime.date.today().isoformat(),
         versions={"torch": torch.__version__, "python": platform.python_version(), "backend": "gloo"},
         links=links,
-        compute=replace(base_profile.compute, peak_tflops=PeakTflops(fp32=peak / 1e12,
+        compute=replace(base_profile.compute, host_cores=float(_cores()), peak_tflops=PeakTflops(fp32=peak / 1e12,
                                                                     bf16=base_profile.compute.peak_tflops.bf16,
                                                                     fp16=base_profile.compute.peak_tflops.fp16),
                         efficiency=Efficiency(grouped=tuple(map(tuple, curve)), loop=tuple(map(tuple, curve)))),

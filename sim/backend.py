@@ -31,6 +31,7 @@ from testbed.workload import SyntheticWorkload
 
 from sim.collective_model import AnalyticTimer, CollectiveModel
 from sim.compute import ComputeModel
+from sim.cores import CorePool
 from sim.fabric import build_fabric
 from sim.faults import Faults
 from sim.network import Network
@@ -100,7 +101,11 @@ class ClusterSim:
         self.network = Network(self.env, self.fabric, self.mode)
         self.collectives = CollectiveModel(self.network, profile, s.world_size)
         self.timer = AnalyticTimer(self.collectives)
-        self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype, s.world_size),
+        cores = int(profile.compute.host_cores)
+        #: CPU cores shared by the ranks (flow model only; analytic mode scales compute instead)
+        self.cores = CorePool(self.env, cores) if cores > 0 and self.mode == "flow" else None
+        self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype, s.world_size,
+                                                                 shared_cores=self.cores is not None),
                                     profile.collectives.group_create_ms * 1e-3, profile.copy.overlap > 0,
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
                                     host_s=host_seconds(profile, s))
@@ -151,7 +156,7 @@ class ClusterSim:
         if self.mode == "analytic":
             tl = run_analytic(phases, world, self.timer, self.clock, self.copy_latency)
         else:
-            tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency)
+            tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency, self.cores)
         fig = figures(phases, tl, base, self.s.model.num_layers)
         self.clock = tl.t0 + fig.step_time_s
         self.events += len(phases) * world + len(tl.ops)

@@ -13,8 +13,8 @@ members and the per-member ``size`` of ``CollectiveOp``:
 - ring reduce_scatter: p flows of (p-1)/p * size, (p-1) steps; with algorithm
   ``all_reduce`` (gloo) the all-reduce of the full input instead;
 - direct all_to_all_v: one flow per non-zero off-diagonal matrix entry, all at once
-  (gloo posts every send and receive, then waits for them all): one step at the largest
-  path latency among them;
+  (every send and receive is posted, then all are waited for): p-1 software steps (one
+  message posted to each other member) and the largest path latency among them;
 - p2p: one flow, one step at its path latency.
 
 On one link class of bandwidth B this gives the nccl-tests closed forms: all-reduce
@@ -33,7 +33,7 @@ import simpy
 
 from sim.fabric import build_fabric
 from sim.network import Network
-from testbed.collectives import CollectiveOp
+from testbed.collectives import CollectiveOp, algorithm_steps
 from testbed.profile import MachineProfile
 
 
@@ -136,7 +136,8 @@ class CollectiveModel:
             src, dst, nbytes = m[i[keep]], m[j[keep]], mat[i[keep], j[keep]]
             if len(src) == 0:
                 return empty if p < 2 else Flows(src, dst, nbytes, self.call_latency)
-            return Flows(src, dst, nbytes, self.fixed_latency(1, float(self.fabric.paths(src, dst).latency.max())))
+            hop = float(self.fabric.paths(src, dst).latency.max())  # all messages in flight at once
+            return Flows(src, dst, nbytes, self.call_latency + self.software_steps(atom) * self.step_latency + hop)
         if atom.kind == "p2p":
             if m[0] == m[1]:
                 return empty
@@ -167,11 +168,8 @@ class CollectiveModel:
 
     @staticmethod
     def software_steps(atom: Atom) -> int:
-        """Sequential steps of an atom's algorithm (module doc)."""
-        p = len(atom.members)
-        if atom.kind in ("all_to_all_v", "p2p"):
-            return 1
-        return ring_share(atom.kind, p, 0)[1] if p > 1 else 0
+        """Sequential steps of an atom's algorithm (``testbed.collectives.algorithm_steps``)."""
+        return algorithm_steps(atom.kind, len(atom.members))
 
     def run(self, op: CollectiveOp) -> simpy.Process:
         """A process that takes the op's simulated time; ``yield model.run(op)``."""
@@ -289,7 +287,7 @@ class AnalyticTimer:
             used = nbytes > 0
             if not used.any():
                 return model.call_latency, None  # the call costs its latency, moves nothing
-            fixed = model.fixed_latency(1, float(pat.latency[used].max()))
+            fixed = model.call_latency + model.software_steps(atom) * model.step_latency + float(pat.latency[used].max())
         elif atom.kind == "p2p":
             nbytes = np.array([float(atom.size)])
             fixed = model.fixed_latency(1, float(pat.latency[0]))

@@ -32,7 +32,9 @@ GEMMS_BACKWARD = 4  # input and weight gradient of each matrix
 class ComputeModel:
     """Roofline times of one GPU (or CPU rank) of ``profile`` in ``dtype``."""
 
-    def __init__(self, profile: MachineProfile, dtype: str, world: int = 1):
+    def __init__(self, profile: MachineProfile, dtype: str, world: int = 1, shared_cores: bool = False):
+        """``shared_cores``: the caller shares CPU cores between ranks itself
+        (``sim.cores.CorePool``), so times are for one rank alone on its core."""
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
         self.profile = profile
@@ -41,7 +43,7 @@ class ComputeModel:
         self.peak = profile.compute.peak(dtype)  # FLOP/s
         self.memory_bw = profile.compute.memory_GBps * 1e9  # bytes/s
         self.launch = profile.compute.launch_us * 1e-6  # s
-        self.scale = contention_factor(profile, world)
+        self.scale = 1.0 if shared_cores else contention_factor(profile, world)
 
     def expert_time(self, tokens_per_expert, hidden: int, ffn: int, kernel: str = "grouped",
                     backward: bool = False) -> float:
@@ -102,10 +104,12 @@ class ComputeModel:
 
 
 def contention_factor(profile: MachineProfile, world: int) -> float:
-    """How much slower one rank computes with ``world`` ranks on the machine
-    (``measured.compute_scale``, nearest measured world; 1 when not measured)."""
+    """How much slower one rank computes with ``world`` ranks on the machine, all computing
+    at once: ``measured.compute_scale`` (nearest measured world), else ranks per shared
+    core (``compute.host_cores``), else 1."""
     rows = profile.measured.compute_scale
     if not rows:
-        return 1.0
+        cores = profile.compute.host_cores
+        return max(1.0, world / cores) if cores > 0 else 1.0
     nearest = min(rows, key=lambda r: (abs(r["world"] - world), r["world"]))
     return float(nearest["factor"])

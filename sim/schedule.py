@@ -10,7 +10,8 @@ Two executors give the same answer where both apply:
   this is what makes thousands of GPUs cheap.
 - ``run_flows`` (flow mode): a simpy process per (rank, stream) walks that stream's
   phases; collectives and page copies are flows on the max-min fair network, so
-  concurrent traffic shares links.
+  concurrent traffic shares links, and on CPU backends compute shares the cores
+  (``sim.cores``).
 
 Both return ``Timeline``: ``start[p, r]``, ``end[p, r]`` (seconds), ``fitted[p, r]`` (the
 seconds of that phase that come from fitted constants: a host-cost phase whole, a
@@ -27,6 +28,7 @@ import numpy as np
 import simpy
 
 from sim.collective_model import AnalyticTimer, CollectiveModel
+from sim.cores import CorePool
 from sim.phases import Phase
 
 STREAMS = ("compute", "comm", "copy", "sync")
@@ -103,7 +105,10 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
 
 
 def run_flows(phases: list[Phase], world: int, model: CollectiveModel, t0: float,
-              copy_latency_s: float) -> Timeline:
+              copy_latency_s: float, cores: CorePool | None = None) -> Timeline:
+    """``cores``: CPU cores shared by the ranks; their compute phases (not the fitted host
+    costs, measured under the real runs' own sharing) then take their turn on the rank's
+    core (``sim.cores``) instead of running alone."""
     env, network = model.env, model.network
     start = np.zeros((len(phases), world))
     end = np.zeros((len(phases), world))
@@ -144,7 +149,9 @@ def run_flows(phases: list[Phase], world: int, model: CollectiveModel, t0: float
             if deps:
                 yield simpy.AllOf(env, deps)
             start[p, r] = env.now
-            if ph.kind in ("compute", "wait"):
+            if ph.kind == "compute" and cores is not None and not ph.fitted:
+                yield cores.run(r, ph.seconds[r])
+            elif ph.kind in ("compute", "wait"):
                 if ph.seconds[r] > 0:
                     yield env.timeout(ph.seconds[r])
             elif ph.kind == "copy":

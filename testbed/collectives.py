@@ -124,6 +124,24 @@ def transfers(kind: str, members: tuple[int, ...], size: int, matrix: np.ndarray
     return m, np.roll(m, -1), np.full(p, per_member, dtype=np.int64)
 
 
+def algorithm_steps(kind: str, p: int, reduce_scatter_as_all_reduce: bool = False) -> int:
+    """Sequential steps of one call of ``kind`` on ``p`` members, each paying the library's
+    per-step software cost: a ring all-reduce 2(p-1), a ring all-gather or reduce-scatter
+    p-1 (a reduce-scatter run as an all-reduce, as gloo does: 2(p-1)), an all-to-all one
+    message to each of the p-1 others (posted one after another), a p2p one. The
+    simulator's collective model and the calibration that fits the per-step cost count
+    them alike."""
+    if p < 2:
+        return 0
+    if kind == "p2p":
+        return 1
+    if kind == "all_to_all_v":
+        return p - 1
+    if kind == "reduce_scatter" and reduce_scatter_as_all_reduce:
+        kind = "all_reduce"
+    return 2 * (p - 1) if kind == "all_reduce" else p - 1
+
+
 def bytes_by_level(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, layout: Layout) -> np.ndarray:
     """Sum of ``nbytes`` per fabric level (nvlink, leaf, spine), as an int64 array of 3."""
     if len(src) == 0:

@@ -136,6 +136,10 @@ class ComputeFigures:
     memory_GBps: float = _num("device memory bandwidth, bytes read + written per s / 1e9")
     device_memory_GB: float = _num("device memory of one GPU (one CPU rank's share on CPU), 1e9 bytes")
     launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", non_negative)
+    host_cores: float = field(default=0.0, metadata={
+        "doc": "CPU backends: cores the ranks of the machine share, rank r pinned to core r % host_cores (the "
+               "simulator's flow model shares each core between the ranks computing on it); 0 = every device "
+               "computes alone", "kind": "float", "check": non_negative, "optional": True})
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of ``dtype`` (fp32, bf16, fp16)."""

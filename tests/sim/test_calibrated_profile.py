@@ -85,10 +85,11 @@ def test_software_latency_fit_recovers_call_and_step_costs():
     prof = load_profile("local-cpu")  # 5 us per link: a hop within a node is 10 us
     cluster = Scenario.from_dict({"cluster": {"gpus_per_node": 4, "nodes_per_microcluster": 1, "microclusters": 1},
                                   "parallelism": {"ep_size": 1}}).cluster
-    steps = {"all_to_all_v": lambda p: 1, "all_gather": lambda p: p - 1, "all_reduce": lambda p: 2 * (p - 1),
+    steps = {"all_to_all_v": lambda p: p - 1, "all_gather": lambda p: p - 1, "all_reduce": lambda p: 2 * (p - 1),
              "reduce_scatter": lambda p: 2 * (p - 1)}  # gloo: an all-reduce
     rows = [{"kind": k, "group_size": p, "members": tuple(range(p)),
-             "seconds": 400e-6 + n(p) * (150e-6 + 10e-6)} for k, n in steps.items() for p in (2, 4)]
+             "seconds": 400e-6 + n(p) * 150e-6 + (1 if k == "all_to_all_v" else n(p)) * 10e-6}
+            for k, n in steps.items() for p in (2, 4)]
     fit = fit_software_latency(rows, 4, cluster, prof)
     assert fit["world"] == 4
     assert fit["call_us"] == pytest.approx(400.0, rel=1e-6) and fit["step_us"] == pytest.approx(150.0, rel=1e-6)
