@@ -193,12 +193,12 @@ class RankRunner:
                     self.synced[i] = part
         self._two_stage([op for op in mine if op.kind != "all_reduce"])
         st.clock.switch("dense_sync")
-        for op in plan.dense_sync_ops:
-            w, b = st.router[op.layer]
-            buf = torch.cat([w.grad.reshape(-1), b.grad.reshape(-1)])
+        for op in plan.dense_sync_ops:  # one layer's router, or every layer's in one bucket (layer -1)
+            params = [p for layer in (range(len(st.router)) if op.layer < 0 else [op.layer]) for p in st.router[layer]]
+            buf = torch.cat([p.grad.reshape(-1) for p in params])
             st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
-            w.grad.copy_(buf[: w.numel()].view_as(w))
-            b.grad.copy_(buf[w.numel():])
+            for p, part in zip(params, buf.split([p.numel() for p in params])):
+                p.grad.copy_(part.view_as(p))
         st.groups.retire()
         self.sync_plan = plan
         return plan.cache

@@ -212,12 +212,15 @@ class Controller:
             groups = self.active_groups(layer)
             ops = self.planner.expert_sync_ops(layer, groups)
             expert_ops += ops
-            dense_ops += self.planner.dense_sync_ops(layer)
+            if self.s.overlap.sync_with_backward:  # each layer's as soon as its backward is done
+                dense_ops += self.planner.dense_sync_ops(layer)
             if cache is not None:
                 self.cache.lookup([op.members for op in ops if op.kind == "reduce_scatter"], cache)
             self._comm_heat(layer, groups, ops, comm_heat)
             if two_stage:
                 self._mark_stale(layer, groups)
+        if not self.s.overlap.sync_with_backward:
+            dense_ops = self.planner.dense_sync_bucket()
         self._comm_heat_step = comm_heat
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
         any_tokens = active.any(axis=1).reshape(-1)  # [L*E]: the summed gradient is non-zero

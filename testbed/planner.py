@@ -146,6 +146,16 @@ class Planner:
         size = (m.hidden_size * m.num_experts + m.num_experts) * ROUTER_PARAM_BYTES
         return [CollectiveOp("all_reduce", self.world, "dense_sync", layer, size=size, label="router gradients")]
 
+    def dense_sync_bucket(self) -> list[CollectiveOp]:
+        """Every layer's router gradient in one all-reduce (layer -1), as a data-parallel
+        bucket: one call instead of one per layer when the sync waits for the whole
+        backward anyway (no ``overlap.sync_with_backward``)."""
+        ops = [op for layer in range(self.s.model.num_layers) for op in self.dense_sync_ops(layer)]
+        if not ops:
+            return []
+        return [CollectiveOp("all_reduce", self.world, "dense_sync", -1, size=sum(op.size for op in ops),
+                             label="router gradients, all layers")]
+
     def heat_ops(self) -> list[CollectiveOp]:
         """With measured compute heat (M18), every rank adds up the expert kernel seconds
         of all ranks (L*E float64) each step, so that every controller is told the same."""

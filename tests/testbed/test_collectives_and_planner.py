@@ -129,3 +129,35 @@ def test_single_member_ops_are_left_out():
     p = Planner(s)
     assert p.route_ops(0) == [] and p.dense_sync_ops(0) == [] and p.expert_sync_ops(0, []) == []
     assert p.token_ops("dispatch", 0, np.ones((1, 8), dtype=int)) == []
+
+
+def test_router_gradients_of_every_layer_go_in_one_bucket_unless_synced_during_the_backward():
+    from testbed.controller import Controller
+
+    s = Scenario.from_dict({"model": {"num_layers": 3}})
+    c = Controller(s)
+    routed = np.full((s.world_size, s.model.num_experts), 8)
+    c.begin_step(0)
+    for layer in range(3):
+        c.forward_layer(layer, routed)
+    for layer in reversed(range(3)):
+        c.backward_layer(layer)
+    (bucket,) = c.sync().dense_sync_ops
+    per_layer = Planner(s).dense_sync_ops(0)[0]
+    assert bucket.layer == -1 and bucket.size == 3 * per_layer.size and bucket.members == per_layer.members
+    overlapped = Controller(s.replace(overlap={"sync_with_backward": True}))
+    overlapped.begin_step(0)
+    for layer in range(3):
+        overlapped.forward_layer(layer, routed)
+    for layer in reversed(range(3)):
+        overlapped.backward_layer(layer)
+    assert [op.layer for op in overlapped.sync().dense_sync_ops] == [2, 1, 0]
+
+
+def test_algorithm_steps_count_what_each_call_waits_for_in_turn():
+    from testbed.collectives import algorithm_steps
+
+    assert algorithm_steps("all_reduce", 8) == 14 and algorithm_steps("all_gather", 8) == 7
+    assert algorithm_steps("reduce_scatter", 8) == 7 and algorithm_steps("reduce_scatter", 8, True) == 14
+    assert algorithm_steps("all_to_all_v", 4) == 3 and algorithm_steps("p2p", 2) == 1
+    assert algorithm_steps("all_reduce", 1) == 0
