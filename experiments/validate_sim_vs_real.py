@@ -3,18 +3,30 @@
 One question, one grid. Every point runs on the real backend (measured) and then on the
 simulator replaying that run's routing with the calibrated profile (simulated), so the
 two differ only in how time is modelled. Per point: measured and simulated step time and
-per-stage times, their relative error, and the stage most off. For every pair of
-strategies at the same world size and capacity factor: measured and simulated speedup,
-and whether the simulator orders them the same way (pairs the measurement cannot tell
-apart, within ``--tie`` relative difference, are reported but not scored).
+per-stage times, their relative error, and the stage most off.
 
-CPU grid: token strategy x expert sync x capacity factor x world size (2 and 4 ranks).
+``--fabric loopback`` (CPU ranks over this machine's loopback): token strategy x expert
+sync x capacity factor x world size (2 and 4 ranks); for every pair of strategies at the
+same world size and capacity factor, measured and simulated speedup and whether the
+simulator orders them the same way (pairs within ``--tie`` are reported, not scored).
 GPU grid (only where CUDA is present): page size (1-64 MB) x heat weights.
-The profile (``--profile``, default "local") must come from a separate
-``testbed calibrate --name local`` run: the points judged here are never fitted.
+
+``--fabric emulated`` (root): 8 ranks on an emulated cluster (``real.network =
+emulated``), 2 per node x 2 nodes x 2 micro-clusters and 4 x 2 x 1, over token strategy x
+expert sync x placement x leaf-spine oversubscription x routing skew. Per point also the
+wire bytes per level (kernel counters against the simulator's network), link
+utilisation per level, the network's share of the measured step and the simulated
+step's share from fitted constants; for every pair of points that differ in one knob,
+measured and simulated speedup, direction and magnitude.
+
+The profile (``--profile``; default "local", emulated "emulated-local") must come from a
+separate ``testbed calibrate`` run on other shapes (its source says which): the points
+judged here are never fitted.
 
     testbed calibrate --name local
     python experiments/validate_sim_vs_real.py --quick --json
+    testbed calibrate --fabric emulated --name emulated-local
+    python experiments/validate_sim_vs_real.py --fabric emulated --quick --json
 """
 
 from __future__ import annotations
@@ -29,15 +41,27 @@ from pathlib import Path
 
 import torch
 
+from testbed.backend import get_tool
 from testbed.errors import ScenarioError, run_as_command
-from testbed.profile import find_profile
+from testbed.links import fabric_blocks
+from testbed.profile import find_profile, load_profile
 from testbed.runner import run_scenario
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
-from testbed.stages import STAGES
+from testbed.stages import STAGES, TOKEN_STAGES
+from testbed.topology import LEVELS
+from testbed.validation_emulated import write_emulated_report
 from testbed.validation_report import write_validation_report
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"median_abs_error": 0.10, "max_abs_error": 0.25, "speedup_rank_agreement": 1.0}
+EMULATED_GOALS = {"min_network_share": 0.50, "median_abs_error": 0.08, "max_abs_error": 0.20,
+                  "speedup_direction_agreement": 1.0, "median_speedup_error_pp": 5.0,
+                  "max_wire_bytes_error": 0.05, "max_fitted_share": 0.20}
+#: stages whose work is a collective: their measured time is the network's share of a step
+NETWORK_STAGES = TOKEN_STAGES + ("expert_sync", "dense_sync")
+#: the knobs of the emulated grid, in the order points are named
+KNOBS = ("cluster", "token_strategy", "expert_sync", "placement", "oversubscription", "skew")
+CLUSTERS = {"2x2x2": (2, 2, 2), "4x2x1": (4, 2, 1)}
 
 
 def cpu_base(world: int, output_dir: str, profile: str) -> Scenario:
@@ -89,6 +113,61 @@ def gpu_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict, Sce
     return points
 
 
+def emulated_base(cluster: str, output_dir: str, profile: str) -> Scenario:
+    """8 CPU ranks on the emulated cluster, EP 4 (2 replicas of 16 experts); a model whose
+    steps are network-bound at the emulated links' rates: H 256, F 128, 1024 tokens a rank
+    routed to 3 experts each (3 MiB of routed slots a rank and layer). No calibration
+    scenario shares its hidden size, token count or expert count. 5 steps, the first left
+    out."""
+    g, n, m = CLUSTERS[cluster]
+    return Scenario.from_dict({
+        "model": {"hidden_size": 256, "ffn_hidden_size": 128, "num_layers": 2, "num_experts": 16, "top_k": 3},
+        "cluster": {"gpus_per_node": g, "nodes_per_microcluster": n, "microclusters": m, "profile": profile},
+        "parallelism": {"ep_size": 4},
+        "pager": {"page_size_bytes": "64KiB", "gpu_budget_bytes": "1536KiB"},
+        "heat": {"update_interval": 3, "window_steps": 6},
+        "workload": {"tokens_per_rank": 1024},
+        "real": {"network": "emulated"},
+        "run": {"steps": 5, "warmup_steps": 1, "output_dir": output_dir},
+    })
+
+
+def emulated_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict, Scenario]]:
+    """Token strategy x expert sync x placement x oversubscription x skew on 2 x 2 x 2
+    (oversubscription 1 and 4), and the same without oversubscription on 4 x 2 x 1 (one
+    micro-cluster: no spine). Combinations the scenario refuses (hierarchical all-to-all
+    needs as many group members on every node) are left out.
+
+    ``quick`` (14 points, every knob moved at least once against a common point): on
+    2 x 2 x 2 all-to-all tokens with either sync, either placement and either
+    oversubscription at skew 1, all-gather tokens with all-reduce sync without
+    oversubscription, and one point at skew 0; on 4 x 2 x 1 all-to-all with all-reduce
+    sync in either placement and all-gather in topology placement."""
+    if quick:
+        combos = [("2x2x2", "alltoall", sync, place, over, 1.0) for sync in EXPERT_SYNC_STRATEGIES
+                  for place in ("topology", "strided") for over in (1.0, 4.0)]
+        combos += [("2x2x2", "allgather", "allreduce", place, 1.0, 1.0) for place in ("topology", "strided")]
+        combos += [("2x2x2", "alltoall", "allreduce", "topology", 1.0, 0.0)]
+        combos += [("4x2x1", "alltoall", "allreduce", place, 1.0, 1.0) for place in ("topology", "strided")]
+        combos += [("4x2x1", "allgather", "allreduce", "topology", 1.0, 1.0)]
+    else:
+        combos = [(cluster, token, sync, place, over, skew)
+                  for cluster in CLUSTERS for token in TOKEN_STRATEGIES for sync in EXPERT_SYNC_STRATEGIES
+                  for place in ("topology", "strided")
+                  for over in ((1.0, 4.0) if CLUSTERS[cluster][2] > 1 else (1.0,)) for skew in (0.0, 1.0)]
+    points = []
+    for cluster, token, sync, placement, over, skew in combos:
+        try:
+            s = emulated_base(cluster, output_dir, profile).replace(
+                comm={"token_strategy": token, "expert_sync": sync}, parallelism={"placement": placement},
+                cluster={"leaf_spine_oversubscription": over}, workload={"skew": skew})
+        except ScenarioError:
+            continue
+        points.append(({"grid": "emulated", "world": 8, "cluster": cluster, "token_strategy": token,
+                        "expert_sync": sync, "placement": placement, "oversubscription": over, "skew": skew}, s))
+    return points
+
+
 def measure(label: dict, scenario: Scenario, fresh: bool, repeats: int) -> dict:
     """Measured: the mean of ``repeats`` separate real runs' medians (their spread is the
     run-to-run noise); simulated: the simulator replaying the first run's routing (the
@@ -106,9 +185,64 @@ def measure(label: dict, scenario: Scenario, fresh: bool, repeats: int) -> dict:
         if rm > 0 or sm > 0:
             stages[st] = {"measured_s": rm, "simulated_s": sm, "error_s": sm - rm}
     worst = max(stages, key=lambda st: abs(stages[st]["error_s"])) if stages else None
-    return dict(label, measured_step_s=m, simulated_step_s=p, rel_error=(p - m) / m, stages=stages,
-                worst_stage=worst, run_to_run_spread=spread, real_runs=[r["run_dir"] for r in reals],
-                real_run=real["run_dir"], sim_run=sim["run_dir"])
+    out = dict(label, measured_step_s=m, simulated_step_s=p, rel_error=(p - m) / m, stages=stages,
+               worst_stage=worst, run_to_run_spread=spread, real_runs=[r["run_dir"] for r in reals],
+               real_run=real["run_dir"], sim_run=sim["run_dir"], fitted_share=sim.get("fitted_share"),
+               shape=shape_of(scenario))
+    if real.get("wire_bytes_by_level"):
+        out.update(network_figures(scenario, reals, sim))
+    return out
+
+
+def shape_of(s: Scenario) -> str:
+    """hidden x ffn x tokens per rank x experts: what calibration must not share."""
+    m = s.model
+    return f"{m.hidden_size}x{m.ffn_hidden_size}x{s.workload.tokens_per_rank}x{m.num_experts}"
+
+
+def network_figures(scenario: Scenario, reals: list[dict], sim: dict) -> dict:
+    """Emulated points: the network's share of the measured step (time in stages that are
+    collectives), wire bytes per level (measured: kernel counters, mean over repeats;
+    simulated: the network model) and link utilisation per level (wire bytes per step /
+    (the level's directed link capacity x step time))."""
+    m_step = statistics.mean(r["step_time_s"] for r in reals)
+    share = statistics.mean(sum(r["stage_time_s"][st] for st in NETWORK_STAGES) / r["step_time_s"] for r in reals)
+    wire_m = {lv: statistics.mean(r["wire_bytes_by_level"][lv] for r in reals) for lv in LEVELS[:3]}
+    wire_s = sim["wire_bytes_by_level"]
+    capacity = {lv: 0.0 for lv in LEVELS[:3]}
+    for fig in fabric_blocks(scenario.cluster, load_profile(scenario.cluster.profile)).values():
+        if fig.level < 3:
+            capacity[LEVELS[fig.level]] += fig.count * fig.bandwidth
+    used = [lv for lv in LEVELS[:3] if wire_m[lv] > 0 or wire_s[lv] > 0]
+    return {
+        "network_share": share,
+        "wire_bytes_by_level": {lv: {"measured": wire_m[lv], "simulated": wire_s[lv],
+                                     "error": (wire_s[lv] - wire_m[lv]) / wire_m[lv] if wire_m[lv] else None}
+                                for lv in used},
+        "utilization_by_level": {lv: {"measured": wire_m[lv] / (capacity[lv] * m_step),
+                                      "simulated": wire_s[lv] / (capacity[lv] * sim["step_time_s"])}
+                                 for lv in used if capacity[lv] > 0},
+    }
+
+
+def knob_pairs(points: list[dict]) -> list[dict]:
+    """Every pair of emulated points that differ in exactly one knob: measured and simulated
+    speedup (time of a / time of b), whether they point the same way, and the error of the
+    simulated speedup in percentage points. A pair is scored when its measured difference
+    exceeds the run-to-run spread of both points."""
+    pairs = []
+    for a, b in itertools.combinations(points, 2):
+        differ = [k for k in KNOBS if a[k] != b[k]]
+        if len(differ) != 1:
+            continue
+        measured = a["measured_step_s"] / b["measured_step_s"]
+        simulated = a["simulated_step_s"] / b["simulated_step_s"]
+        spread = max(a["run_to_run_spread"], b["run_to_run_spread"])
+        pairs.append({"a": _name(a), "b": _name(b), "knob": differ[0], "world": a["world"],
+                      "measured_speedup": measured, "simulated_speedup": simulated,
+                      "scored": abs(measured - 1) > spread, "agree": (measured > 1) == (simulated > 1),
+                      "error_pp": 100 * abs(simulated - measured)})
+    return pairs
 
 
 def speedups(points: list[dict], tie: float) -> list[dict]:
@@ -134,6 +268,9 @@ def speedups(points: list[dict], tie: float) -> list[dict]:
 def _name(p: dict) -> str:
     if p["grid"] == "gpu":
         return f"page {p['page_size']} heat {p['heat']}"
+    if p["grid"] == "emulated":
+        return (f"{p['cluster']} {p['token_strategy']}/{p['expert_sync']} {p['placement']} "
+                f"over {p['oversubscription']:g} skew {p['skew']:g}")
     return f"{p['token_strategy']}/{p['expert_sync']} cf={p['capacity_factor']}"
 
 
@@ -149,13 +286,41 @@ def summarize(points: list[dict], pairs: list[dict]) -> dict:
     }
 
 
+def summarize_emulated(points: list[dict], pairs: list[dict]) -> dict:
+    """The emulated grid's figures against ``EMULATED_GOALS``."""
+    errors = [abs(p["rel_error"]) for p in points]
+    scored = [q for q in pairs if q["scored"]]
+    wire = [abs(w["error"]) for p in points for w in p.get("wire_bytes_by_level", {}).values() if w["error"] is not None]
+    shares = [p["network_share"] for p in points if "network_share" in p]
+    fitted = [p["fitted_share"] for p in points if p.get("fitted_share") is not None]
+    out = {
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "max_abs_error": max(errors) if errors else None,
+        "speedup_direction_agreement": (sum(q["agree"] for q in scored) / len(scored)) if scored else None,
+        "median_speedup_error_pp": statistics.median(q["error_pp"] for q in pairs) if pairs else None,
+        "max_wire_bytes_error": max(wire) if wire else None,
+        "min_network_share": min(shares) if shares else None,
+        "median_network_share": statistics.median(shares) if shares else None,
+        "max_fitted_share": max(fitted) if fitted else None,
+        "median_fitted_share": statistics.median(fitted) if fitted else None,
+        "scored_pairs": len(scored), "pairs": len(pairs), "goals": EMULATED_GOALS,
+    }
+    met = {"min_network_share": lambda v, g: v >= g, "speedup_direction_agreement": lambda v, g: v >= g}
+    out["goals_met"] = {k: (v is not None and met.get(k, lambda v, g: v <= g)(out[k], g))
+                        for k, g in EMULATED_GOALS.items() for v in [out[k]]}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small grid (a few minutes on a laptop)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    ap.add_argument("--profile", default="local", help="calibrated profile name (testbed calibrate --name NAME)")
+    ap.add_argument("--fabric", default="loopback", choices=("loopback", "emulated"),
+                    help="ranks over this machine's loopback (default) or on the emulated cluster (root)")
+    ap.add_argument("--profile", default=None, help="calibrated profile name (testbed calibrate --name NAME); "
+                    "default local, emulated: emulated-local")
     ap.add_argument("--output-dir", default="runs", help="run folders (finished runs are reused)")
-    ap.add_argument("--report", default=str(ROOT / "reports" / "validation.html"))
+    ap.add_argument("--report", default=None, help="default reports/validation.html (emulated: validation-emulated.html)")
     ap.add_argument("--fresh", action="store_true", help="measure again even where runs exist")
     ap.add_argument("--tie", type=float, default=0.05,
                     help="pairs whose measured times differ by less than this fraction are not scored "
@@ -166,12 +331,20 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    emulated = args.fabric == "emulated"
+    args.profile = args.profile or ("emulated-local" if emulated else "local")
+    args.report = args.report or str(ROOT / "reports" / ("validation-emulated.html" if emulated else "validation.html"))
     try:
         profile_path = find_profile(args.profile)
     except ScenarioError:
+        fabric = " --fabric emulated" if emulated else ""
         raise ScenarioError("--profile", args.profile,
-                            f"no such profile: run `testbed calibrate --name {args.profile}` first") from None
-    grid = cpu_grid(args.quick, args.output_dir, args.profile) + gpu_grid(args.quick, args.output_dir, args.profile)
+                            f"no such profile: run `testbed calibrate{fabric} --name {args.profile}` first") from None
+    if emulated:
+        get_tool("net-check")()  # one clear line without root, before any run
+        grid = emulated_grid(args.quick, args.output_dir, args.profile)
+    else:
+        grid = cpu_grid(args.quick, args.output_dir, args.profile) + gpu_grid(args.quick, args.output_dir, args.profile)
     points = []
     started = time.perf_counter()
     for i, (label, scenario) in enumerate(grid, 1):
@@ -180,13 +353,24 @@ def _run(args) -> int:
         print(f"[{i}/{len(grid)}] {_name(p)} x{p['world']}: measured {p['measured_step_s'] * 1e3:.1f} ms, "
               f"simulated {p['simulated_step_s'] * 1e3:.1f} ms ({100 * p['rel_error']:+.1f}%) "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    pairs = speedups(points, args.tie)
-    result = dict(summarize(points, pairs), profile=str(profile_path), points=points, speedup_pairs=pairs,
-                  tie=args.tie, repeats=args.repeats,
+    if emulated:
+        pairs = knob_pairs(points)
+        summary = summarize_emulated(points, pairs)
+    else:
+        pairs = speedups(points, args.tie)
+        summary = summarize(points, pairs)
+    result = dict(summary, fabric=args.fabric, profile=str(profile_path), points=points, speedup_pairs=pairs,
+                  tie=args.tie, repeats=args.repeats, wall_s=time.perf_counter() - started,
                   median_run_to_run_spread=statistics.median(p["run_to_run_spread"] for p in points))
-    report = write_validation_report(result, args.report)
+    report = (write_emulated_report if emulated else write_validation_report)(result, args.report)
     if args.json:
         print(json.dumps(result))
+    elif emulated:
+        print(f"median |error| {100 * result['median_abs_error']:.1f}%, worst {100 * result['max_abs_error']:.1f}%, "
+              f"direction agreement {result['speedup_direction_agreement']} over {result['scored_pairs']} scored "
+              f"pairs, median speedup error {result['median_speedup_error_pp']:.1f} pp, wire bytes within "
+              f"{100 * result['max_wire_bytes_error']:.1f}%, network share >= {100 * result['min_network_share']:.0f}%, "
+              f"fitted share <= {100 * result['max_fitted_share']:.0f}%; report {report}")
     else:
         print(f"median |error| {100 * result['median_abs_error']:.1f}%, worst {100 * result['max_abs_error']:.1f}%, "
               f"rank agreement {result['speedup_rank_agreement']} over {result['scored_pairs']} pairs; "

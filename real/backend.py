@@ -13,6 +13,7 @@ import time
 
 from real.checkpoint import checkpoint_dir
 from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env
+from real.netem import check_privileges
 from real.worker import stream_of
 from testbed.backend import RunResult
 from testbed.errors import ScenarioError
@@ -37,6 +38,11 @@ def check_runnable(scenario: Scenario) -> None:
         raise ScenarioError("faults[0].kind", s.faults[0].kind,
                             "simulated only: fault events are injected by --backend sim; a real rank that dies "
                             "stops the run with an error")
+    if s.real.network == "emulated":
+        if torchrun_env() is not None:
+            raise ScenarioError("real.network", "emulated", "an emulated cluster is made by the spawning launcher on "
+                                "one machine; under torchrun the ranks use the machines' own network")
+        check_privileges()  # one clear line without root, before anything is made
 
 
 class RealBackend:

@@ -21,6 +21,7 @@ BACKENDS = {"sim": "sim.backend:SimBackend", "real": "real.backend:RealBackend"}
 #: commands of the backends, looked up by name like the backends themselves
 TOOLS = {
     "calibrate": "real.calibrate:calibrate",  # measure this machine, write a profile
+    "net-check": "real.netem:check_privileges",  # ScenarioError unless this process may emulate
     "net-leftovers": "real.netem:leftovers",  # emulated clusters on this machine
     "net-clean": "real.netem:clean",  # remove what killed emulated runs left behind
     "net-probe": "real.netem.probe:probe",  # measure the emulated links and gloo's algorithms

@@ -71,6 +71,22 @@ def candidates(scenario: Scenario, profile: MachineProfile, row: dict) -> list[d
     return out
 
 
+def identify(scenario: Scenario, profile: MachineProfile, rows: list[dict]) -> dict[str, str]:
+    """For each measured collective row: its ``candidates`` and the ``algorithm`` whose wire
+    bytes per level are closest (ties, within a percent: the closer time). Returns kind ->
+    algorithm found. Rows of kinds the planner does not use (gloo's own all-to-all) are
+    set against the direct all-to-all for reference and decide nothing."""
+    chosen = {}
+    for row in rows:
+        if row["kind"] not in ALGORITHMS:
+            row["candidates"], row["algorithm"] = candidates(scenario, profile, dict(row, kind="all_to_all_v")), "-"
+            continue
+        row["candidates"] = candidates(scenario, profile, row)
+        best = min(row["candidates"], key=lambda c: (round(c["wire_mismatch"], 2), abs(c["seconds"] - row["seconds"])))
+        row["algorithm"] = chosen[row["kind"]] = best["algorithm"]
+    return chosen
+
+
 def probe_scenario(config: str | None, overrides: list[str], write: str | None = None) -> dict:
     """Measure the cluster of ``config`` (default: 2 x 2 x 2 on the emulated profile),
     compare with the model, and optionally write the probed profile."""
@@ -82,15 +98,7 @@ def probe_scenario(config: str | None, overrides: list[str], write: str | None =
     profile = load_profile(scenario.cluster.profile)
     measured = get_tool("net-probe")(scenario, profile)
     probed = probed_profile(profile, measured)
-    chosen = {}
-    for row in measured["collectives"]:
-        if row["kind"] not in ALGORITHMS:  # gloo's own all-to-all, for reference: the backend does not run it
-            row["candidates"], row["algorithm"] = candidates(scenario, probed, dict(row, kind="all_to_all_v")), "-"
-            continue
-        row["candidates"] = candidates(scenario, probed, row)
-        best = min(row["candidates"], key=lambda c: (round(c["wire_mismatch"], 2), abs(c["seconds"] - row["seconds"])))
-        row["algorithm"] = best["algorithm"]
-        chosen[row["kind"]] = best["algorithm"]
+    chosen = identify(scenario, probed, measured["collectives"])
     probed = dataclasses.replace(probed, collectives=dataclasses.replace(
         probed.collectives, algorithm=dataclasses.replace(probed.collectives.algorithm, **chosen)))
     result = {"cluster": dataclasses.asdict(scenario.cluster), "profile": profile.name, **measured,

@@ -69,9 +69,37 @@ def stage_error_figure(points: list[dict]) -> go.Figure:
 
 
 def _label(p: dict) -> str:
+    if p.get("grid") == "emulated":
+        return (f"{p['cluster']} {p['token_strategy']}/{p['expert_sync']} {p['placement']} "
+                f"over {p['oversubscription']:g} skew {p['skew']:g}")
     if p.get("grid") == "gpu":
         return f"GPU x{p['world']} page {p['page_size']} heat {p['heat']}"
     return f"x{p['world']} {p['token_strategy']}/{p['expert_sync']} cf={p['capacity_factor']}"
+
+
+def miss_reason(p: dict, threshold: float) -> str:
+    """Which stage is off, by how much and why, for a point whose error exceeds ``threshold``."""
+    if abs(p["rel_error"]) <= threshold or not p["worst_stage"]:
+        return ""
+    st = p["stages"][p["worst_stage"]]
+    return (f"{p['worst_stage']} off by {st['error_s'] * 1e3:+.2f} ms "
+            f"({_ms(st['simulated_s'])} vs {_ms(st['measured_s'])}): {WHY.get(p['worst_stage'], '')}")
+
+
+def profile_section(result: dict) -> str:
+    """The profile the simulator used, how it was made (calibration shapes included), its
+    fitted library latency, and the shapes the validation points used."""
+    profile = load_profile(result["profile"])
+    prof_rows = [["name", profile.name], ["machine", profile.machine], ["date", profile.date],
+                 ["versions", ", ".join(f"{k} {v}" for k, v in profile.versions.items())],
+                 ["how it was made (calibration shapes included)", profile.source], ["file", result["profile"]]]
+    measured = [[r["world"], f"{r['call_us']:.0f}", f"{r['step_us']:.0f}"] for r in profile.measured.collective_latency]
+    shapes = sorted({p["shape"] for p in result["points"] if p.get("shape")})
+    return (table_html(["", ""], prof_rows)
+            + "<h3>Validation shapes (hidden x ffn x tokens per rank x experts)</h3>"
+            + table_html(["shape", "points"], [[sh, sum(p.get("shape") == sh for p in result["points"])] for sh in shapes])
+            + "<h3>Fitted library latency (the only fitted collective figures; bytes are timed by the network model)</h3>"
+            + table_html(["world", "us per call", "us per algorithm step"], measured))
 
 
 def write_validation_report(result: dict, output: str | Path) -> Path:
@@ -86,23 +114,12 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
         ["run-to-run spread of measurements (median)", f"{100 * result['median_run_to_run_spread']:.1f}%",
          f"{result['repeats']} real runs per point; pairs within {100 * result['tie']:.0f}% are ties"],
     ]
-    rows = []
-    for p in points:
-        miss = abs(p["rel_error"]) > goals["median_abs_error"]
-        why = ""
-        if miss and p["worst_stage"]:
-            st = p["stages"][p["worst_stage"]]
-            why = (f"{p['worst_stage']} off by {st['error_s'] * 1e3:+.2f} ms "
-                   f"({_ms(st['simulated_s'])} vs {_ms(st['measured_s'])}): {WHY.get(p['worst_stage'], '')}")
-        rows.append([_label(p), _ms(p["measured_step_s"]), _ms(p["simulated_step_s"]),
-                     f"{100 * p['rel_error']:+.1f}%", p["worst_stage"] or "", why, p["real_run"], p["sim_run"]])
+    rows = [[_label(p), _ms(p["measured_step_s"]), _ms(p["simulated_step_s"]), f"{100 * p['rel_error']:+.1f}%",
+             p["worst_stage"] or "", miss_reason(p, goals["median_abs_error"]), p["real_run"], p["sim_run"]]
+            for p in points]
     pair_rows = [[q["a"], q["b"], f"x{q['world']}", f"{q['measured_speedup']:.3f}", f"{q['simulated_speedup']:.3f}",
                   "yes" if q["agree"] else "NO", "scored" if q["scored"] else "tie (not scored)"] for q in pairs]
     profile = load_profile(result["profile"])
-    prof_rows = [["name", profile.name], ["machine", profile.machine], ["date", profile.date],
-                 ["versions", ", ".join(f"{k} {v}" for k, v in profile.versions.items())],
-                 ["how it was made", profile.source], ["file", result["profile"]]]
-    measured = [[r["world"], f"{r['call_us']:.0f}", f"{r['step_us']:.0f}"] for r in profile.measured.collective_latency]
     note = ("Each point ran on the real backend (measured) and on the simulator replaying that run's routing "
             "with the profile below (simulated); error = (simulated - measured) / measured of the median step "
             "time. The profile was calibrated in a separate run (testbed calibrate); none of these points was "
@@ -115,8 +132,6 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
                                "why (where the point misses)", "real run", "simulated run"], rows)),
         ("Speedups (time of b / time of a)", table_html(["a", "b", "ranks", "measured", "simulated", "same order",
                                                          ""], pair_rows)),
-        ("Profile used", table_html(["", ""], prof_rows) + "<h3>Fitted library latency (the only fitted "
-         "collective figures; bytes are timed by the network model)</h3>" +
-         table_html(["world", "us per call", "us per algorithm step"], measured)),
+        ("Profile used, and the shapes of calibration and validation", profile_section(result)),
     ]
     return write_page(output, "Simulated vs measured: " + profile.name, note, sections)
