@@ -62,12 +62,13 @@ def _groups(world: int) -> list[int]:
     return [g for g in range(2, world + 1) if world % g == 0]
 
 
-def software_latency(rank: int, world: int, reps: int) -> list[dict]:
+def software_latency(rank: int, world: int, reps: int, emulated: bool) -> list[dict]:
     """Rows (kind, group_size, seconds) of tiny collectives, all groups of a size busy at once.
-    Groups are contiguous ranks (a node, then a leaf, ...)."""
+    Groups are contiguous ranks (a node, then a leaf, ...). The all-to-all is the one a
+    real run on this network uses (``real.comm.Comm``)."""
     layout = Layout(Scenario.from_dict({"cluster": {"gpus_per_node": world, "nodes_per_microcluster": 1,
                                                     "microclusters": 1}, "parallelism": {"ep_size": 1}}))
-    comm = Comm(rank, ByteLedger(layout), lambda: "route")
+    comm = Comm(rank, ByteLedger(layout), lambda: "route", p2p_all_to_all=emulated)
     rows = []
     for g in _groups(world):
         groups = [tuple(range(i, i + g)) for i in range(0, world, g)]
@@ -136,7 +137,7 @@ def _rank_main(rank: int, world: int, store_path: str, q, reps: int, shape: tupl
         pin_to_core(rank)  # as the real backend's ranks run
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
-        out = {"latency": software_latency(rank, world, reps)}
+        out = {"latency": software_latency(rank, world, reps, emulated=not loopback)}
         if loopback:
             out["link_Bps"] = link_rate(rank, world, reps)
         dist.barrier()

@@ -57,12 +57,16 @@ class PayloadCodec:
 
 
 class Comm:
-    """Collectives of one rank, counted into ``ledger`` under ``stage_of()``."""
+    """Collectives of one rank, counted into ``ledger`` under ``stage_of()``.
 
-    def __init__(self, rank: int, ledger: ByteLedger, stage_of):
+    ``p2p_all_to_all``: run the all-to-all as sends and receives posted at once
+    (``all_to_all_p2p``) instead of the library's call (see ``all_to_all``)."""
+
+    def __init__(self, rank: int, ledger: ByteLedger, stage_of, p2p_all_to_all: bool = False):
         self.rank = rank
         self.ledger = ledger
         self.stage_of = stage_of  # () -> name of the stage the clock is in
+        self.p2p_all_to_all = p2p_all_to_all
 
     def _count(self, kind: str, members: tuple[int, ...], size: int) -> None:
         src, dst, nbytes = transfers(kind, members, size)
@@ -79,19 +83,21 @@ class Comm:
     def all_to_all(self, x: torch.Tensor, send_splits, recv_splits, members, group) -> torch.Tensor:
         """Rows of ``x`` to each member by ``send_splits``; returns the received rows.
 
-        On CUDA one ``all_to_all_single`` (NCCL runs it as grouped sends and receives).
-        On CPU the same exchange as sends and receives to every member at once with every
-        receive posted first (``all_to_all_p2p``): gloo's own all-to-all posts each
-        receive after a send, and on TCP a receive's notice can then queue behind data
-        already leaving on the same connection, so pairs take turns (measured on the
-        emulated cluster by ``testbed net probe``: ~1.6x slower than all pairs at once)."""
+        One ``all_to_all_single`` (NCCL runs it as grouped sends and receives; gloo on a
+        loopback as its own rendezvous per pair), or with ``p2p_all_to_all`` (gloo on an
+        emulated cluster) the same exchange as sends and receives to every member at once
+        with every receive posted first (``all_to_all_p2p``): gloo's own all-to-all posts
+        each receive after a send, and over rate-limited TCP links a receive's notice can
+        then queue behind data already leaving on the same connection, so pairs take turns
+        (measured by ``testbed net probe``: 1.5x slower than all pairs at once). On a
+        loopback, where no link limits the rate, gloo's call is the faster of the two."""
         row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
         self._count_sends(members, [s * row_bytes for s in send_splits])
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
         if len(members) == 1:
             out.copy_(x)
             return out
-        if x.device.type == "cpu":
+        if self.p2p_all_to_all:
             all_to_all_p2p(out, x.contiguous(), list(recv_splits), list(send_splits), members, self.rank, group)
         else:
             dist.all_to_all_single(out, x.contiguous(), list(recv_splits), list(send_splits), group=group)

@@ -69,7 +69,8 @@ class RankState:
         self.origin = time.perf_counter()
         self.clock = StageClock(self.origin, cuda=self.device.type == "cuda")
         self.ledger = ByteLedger(self.layout)
-        self.comm = Comm(self.rank, self.ledger, lambda: self.clock.current or "route")
+        self.comm = Comm(self.rank, self.ledger, lambda: self.clock.current or "route",
+                         p2p_all_to_all=s.real.network == "emulated")
         self.groups = Groups(self.planner)
         m = s.model
         self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None

@@ -17,17 +17,23 @@ from testbed.stages import STAGES
 
 #: what a large error in a stage usually means, for the reader of a missed point
 WHY = {
-    "route": "host work of routing and the counts all-gather (Python, gloo latency) varies more than modelled",
+    "route": "router host work and the counts all-gather: Python time under CPU contention and the library's "
+             "per-call latency vary more than the fitted host cost and latency say",
     "paging": "page copies and replica refreshes carry per-page host costs the model averages",
-    "dispatch": "all-to-all time under load differs from the alpha-beta fit for this group size or message size",
-    "combine": "all-to-all time under load differs from the alpha-beta fit for this group size or message size",
-    "combine_backward": "backward all-to-all plus autograd overhead not covered by the calibration",
-    "dispatch_backward": "backward all-to-all plus autograd overhead not covered by the calibration",
-    "experts": "expert GEMM rate: contention between ranks on the cores differs from the calibration",
-    "experts_backward": "expert GEMM rate: contention between ranks on the cores differs from the calibration",
+    "dispatch": "all-to-all: TCP shares the links less evenly than the max-min model, and each message's software "
+                "cost grows when the rank's core is busy with other ranks' compute",
+    "combine": "all-to-all: TCP shares the links less evenly than the max-min model, and each message's software "
+               "cost grows when the rank's core is busy with other ranks' compute",
+    "combine_backward": "backward all-to-all plus autograd work that the fixed host cost per call does not follow",
+    "dispatch_backward": "backward all-to-all plus autograd work that the fixed host cost per call does not follow",
+    "experts": "expert GEMMs: the per-expert loop's Python overhead grows with experts per rank, and the kernel's "
+               "network processing takes CPU time the core-sharing model does not count",
+    "experts_backward": "expert GEMMs: the per-expert loop's Python overhead grows with experts per rank, and the "
+                        "kernel's network processing takes CPU time the core-sharing model does not count",
     "route_backward": "router backward and autograd bookkeeping",
-    "expert_sync": "group creation and reduce-scatter / all-gather under load (two-stage) or all-reduce size",
-    "dense_sync": "the router all-reduce also absorbs waiting for the slowest rank (stragglers)",
+    "expert_sync": "group creation and small reduce-scatter / all-gather calls (two-stage) or the all-reduce's "
+                   "pipelining, which the ring model times as one fluid transfer",
+    "dense_sync": "the first collective after the backward also absorbs waiting for the slowest rank (stragglers)",
     "optimizer": "per-page host work of the weight update",
     "heat": "heat-map update host work",
 }
