@@ -150,6 +150,7 @@ class ClusterSim:
             self.network.refresh()
         base = self.memory_at_start()
         carried = self.network.bytes_by_edge.copy()
+        messages = self.network.messages_by_edge.copy()
         decisions = decide_step(self.controller, step, routed)
         phases = self.builder.build(decisions)
         world = self.layout.world
@@ -160,7 +161,8 @@ class ClusterSim:
         fig = figures(phases, tl, base, self.s.model.num_layers)
         self.clock = tl.t0 + fig.step_time_s
         self.events += len(phases) * world + len(tl.ops)
-        self.wire_bytes = self.network.wire_bytes_by_level(self.network.bytes_by_edge - carried, self.profile.protocol)
+        self.wire_bytes = self.network.wire_bytes_by_level(self.network.bytes_by_edge - carried, self.profile.protocol,
+                                                           self.network.messages_by_edge - messages)
         return decisions, phases, tl, fig, faults, base
 
 

@@ -33,17 +33,19 @@ import simpy
 
 from sim.fabric import build_fabric
 from sim.network import Network
-from testbed.collectives import CollectiveOp, algorithm_steps
+from testbed.collectives import CollectiveOp, algorithm_messages, algorithm_steps
 from testbed.profile import MachineProfile
 
 
 class Flows(NamedTuple):
-    """Flows of one op: rank arrays, bytes per flow, and the latency before they start (s)."""
+    """Flows of one op: rank arrays, bytes per flow, the latency before they start (s), and
+    the library messages each flow carries."""
 
     src: np.ndarray
     dst: np.ndarray
     nbytes: np.ndarray
     fixed_latency_s: float
+    messages: int = 1
 
 
 class Atom(NamedTuple):
@@ -148,7 +150,8 @@ class CollectiveModel:
         per_flow, steps = ring_share(atom.kind, p, atom.size)
         src, dst = m, np.roll(m, -1)
         hop = float(self.fabric.paths(src, dst).latency.max())  # the ring runs at its slowest hop
-        return Flows(src, dst, np.full(p, float(per_flow)), self.fixed_latency(steps, hop))
+        return Flows(src, dst, np.full(p, float(per_flow)), self.fixed_latency(steps, hop),
+                     algorithm_messages(atom.kind, p))
 
     def fixed_latency(self, steps: int, hop_s: float) -> float:
         """Seconds before an atom's bytes flow: one call, and ``steps`` sequential steps
@@ -182,7 +185,8 @@ class CollectiveModel:
             if latency > 0:
                 yield self.env.timeout(latency)
             yield simpy.AllOf(self.env, [self.network.start_flows(f.src, f.dst, f.nbytes, tag=op.stage,
-                                                                  path_latency=False) for f in flows])
+                                                                  path_latency=False, messages=f.messages)
+                                         for f in flows])
 
 
 class SoftwareLatency:
@@ -253,26 +257,30 @@ class AnalyticTimer:
         total = 0.0
         for stage in self.model.stages(op):
             load = None
+            messages = 0.0
             fixed = 0.0
             for atom in stage:
                 got = self._atom_load(atom)
                 if got is None:
                     continue
-                atom_fixed, atom_load = got
+                atom_fixed, atom_load, atom_messages = got
                 fixed = max(fixed, atom_fixed)
                 if atom_load is not None:
                     load = atom_load if load is None else load + atom_load
+                    messages = messages + atom_messages
             if load is None:
                 total += fixed
                 continue
             busy = load / self.fabric.capacity.clip(min=1e-300)
             self.stats.bytes_by_edge += load
+            self.stats.messages_by_edge += messages
             self.stats.busy_by_edge += busy
             total += fixed + float(busy.max())
         return total
 
     def _atom_load(self, atom: Atom):
-        """(fixed latency s, bytes per fabric edge) of one atom; None when it moves nothing."""
+        """(fixed latency s, bytes per fabric edge, messages per fabric edge) of one atom;
+        None when it moves nothing."""
         model = self.model
         p = len(atom.members)
         if atom.kind == "p2p":
@@ -286,7 +294,7 @@ class AnalyticTimer:
             nbytes = np.asarray(atom.matrix, dtype=np.float64)[pat.i, pat.j]
             used = nbytes > 0
             if not used.any():
-                return model.call_latency, None  # the call costs its latency, moves nothing
+                return model.call_latency, None, None  # the call costs its latency, moves nothing
             fixed = model.call_latency + model.software_steps(atom) * model.step_latency + float(pat.latency[used].max())
         elif atom.kind == "p2p":
             nbytes = np.array([float(atom.size)])
@@ -296,7 +304,9 @@ class AnalyticTimer:
             nbytes = np.full(p, float(per_flow))
             fixed = model.fixed_latency(steps, float(pat.latency.max()))
         load = np.bincount(pat.edges, weights=np.repeat(nbytes, pat.hops), minlength=self.fabric.num_edges)
-        return fixed, load
+        per_flow = algorithm_messages(atom.kind, p) * (nbytes > 0)
+        messages = np.bincount(pat.edges, weights=np.repeat(per_flow, pat.hops), minlength=self.fabric.num_edges)
+        return fixed, load, messages
 
 
 def seconds_alone(scenario, profile: MachineProfile, op: CollectiveOp) -> tuple[float, dict[str, int]]:
@@ -306,4 +316,4 @@ def seconds_alone(scenario, profile: MachineProfile, op: CollectiveOp) -> tuple[
     network = Network(env, build_fabric(scenario, profile), "flow", coalesce=0.0)
     model = CollectiveModel(network, profile, scenario.world_size)
     env.run(model.run(op))
-    return env.now, network.wire_bytes_by_level(network.bytes_by_edge, profile.protocol)
+    return env.now, network.wire_bytes_by_level(network.bytes_by_edge, profile.protocol, network.messages_by_edge)

@@ -106,6 +106,7 @@ class Network:
         self.coalesce = coalesce
         E = fabric.num_edges
         self.bytes_by_edge = np.zeros(E)  # bytes carried
+        self.messages_by_edge = np.zeros(E)  # library messages carried (for wire-byte overhead)
         self.busy_by_edge = np.zeros(E)  # seconds with traffic
         self.bytes_by_tag: dict = {}
         self.recomputations = 0  # max-min solves (flow mode), for speed measurements
@@ -125,11 +126,12 @@ class Network:
 
     # ---- starting transfers --------------------------------------------------------------
     def start_flows(self, src, dst, nbytes, tag=None, *, kind: str = "fabric",
-                    path_latency: bool = True) -> simpy.Event:
+                    path_latency: bool = True, messages: float = 1.0) -> simpy.Event:
         """Start a group of flows ``src[i] -> dst[i]`` of ``nbytes[i]`` bytes (ranks).
 
         ``kind``: ``fabric`` (GPU to GPU), ``h2d`` (host to GPU ``dst``), ``d2h`` (GPU
-        ``src`` to host). Returns an event that fires when every flow has arrived.
+        ``src`` to host). ``messages``: library messages each flow carries (counted per
+        edge for the wire bytes). Returns an event that fires when every flow has arrived.
         """
         src, dst, nbytes = np.broadcast_arrays(np.atleast_1d(np.asarray(src, dtype=np.int64)),
                                                np.atleast_1d(np.asarray(dst, dtype=np.int64)),
@@ -145,6 +147,8 @@ class Network:
             return done.succeed()
         paths = self.fabric.paths(src, dst, kind)
         self._check_up(paths.edges)
+        if kind == "fabric":
+            np.add.at(self.messages_by_edge, paths.edges, messages)
         self.bytes_by_tag[tag] = self.bytes_by_tag.get(tag, 0.0) + float(nbytes.sum())
         delay = paths.latency if path_latency else np.zeros(len(nbytes))
         if self.mode == "analytic":
@@ -280,13 +284,17 @@ class Network:
         by = np.bincount(self.fabric.level, weights=self.bytes_by_edge, minlength=len(LEVELS))
         return {name: float(by[i]) for i, name in enumerate(LEVELS)}
 
-    def wire_bytes_by_level(self, payload_by_edge: np.ndarray, protocol) -> dict[str, int]:
+    def wire_bytes_by_level(self, payload_by_edge: np.ndarray, protocol, messages_by_edge=None) -> dict[str, int]:
         """What the links of each network level carried for ``payload_by_edge`` payload bytes
-        (per edge): summed over the level's directed links, with the profile's ``protocol``
-        overhead (headers forward, acknowledgements back on the same level)."""
+        and ``messages_by_edge`` library messages (per edge): summed over the level's
+        directed links, with the profile's ``protocol`` overhead (headers forward,
+        acknowledgements back on the same level, a fixed cost per message)."""
         per_byte = 1.0 / protocol.payload_fraction + protocol.ack_fraction
-        by = np.bincount(self.fabric.level, weights=payload_by_edge, minlength=len(LEVELS))
-        return {LEVELS[i]: int(round(by[i] * per_byte)) for i in range(3)}
+        wire = payload_by_edge * per_byte
+        if messages_by_edge is not None:
+            wire = wire + messages_by_edge * protocol.message_bytes
+        by = np.bincount(self.fabric.level, weights=wire, minlength=len(LEVELS))
+        return {LEVELS[i]: int(round(by[i])) for i in range(3)}
 
     def utilization_by_level(self, elapsed: float, active_only: bool = False) -> dict[str, float]:
         """Bytes carried / (nominal capacity x ``elapsed`` seconds) per level.

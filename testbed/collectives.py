@@ -142,6 +142,22 @@ def algorithm_steps(kind: str, p: int, reduce_scatter_as_all_reduce: bool = Fals
     return 2 * (p - 1) if kind == "all_reduce" else p - 1
 
 
+def algorithm_messages(kind: str, p: int, reduce_scatter_as_all_reduce: bool = False) -> int:
+    """Messages each flow of one call of ``kind`` on ``p`` members carries (a flow: one
+    member to its ring successor, or one pair of an all-to-all): every message costs the
+    library a rendezvous and the transport its headers, whatever its size. gloo's ring
+    all-reduce passes 2 segments per member through a reduce-scatter and an all-gather
+    (4(p-1) messages a hop), its all-gather half a member's block at a time (2(p-1)); a
+    plain ring reduce-scatter p-1; an all-to-all and a p2p one message per pair."""
+    if p < 2:
+        return 0
+    if kind in ("all_to_all_v", "p2p"):
+        return 1
+    if kind == "reduce_scatter" and reduce_scatter_as_all_reduce:
+        kind = "all_reduce"
+    return {"all_reduce": 4 * (p - 1), "all_gather": 2 * (p - 1), "reduce_scatter": p - 1}[kind]
+
+
 def bytes_by_level(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, layout: Layout) -> np.ndarray:
     """Sum of ``nbytes`` per fabric level (nvlink, leaf, spine), as an int64 array of 3."""
     if len(src) == 0:

@@ -21,7 +21,7 @@ import numpy as np
 
 from testbed.backend import get_tool
 from testbed.collectives import CollectiveOp
-from testbed.profile import ALGORITHMS, MachineProfile, Protocol, load_profile, save_profile
+from testbed.profile import ALGORITHMS, MachineProfile, load_profile, save_profile
 from testbed.scenario import Scenario
 from testbed.scenario_file import load_scenario
 
@@ -43,8 +43,11 @@ def probed_profile(profile: MachineProfile, measured: dict) -> MachineProfile:
     bulk = [b for b in measured["bulk"].values() if b["payload_fraction"]]
     protocol = profile.protocol
     if bulk:
-        protocol = Protocol(payload_fraction=min(1.0, statistics.median(b["payload_fraction"] for b in bulk)),
-                            ack_fraction=statistics.median(b["ack_fraction"] for b in bulk))
+        protocol = dataclasses.replace(
+            protocol, payload_fraction=min(1.0, statistics.median(b["payload_fraction"] for b in bulk)),
+            ack_fraction=statistics.median(b["ack_fraction"] for b in bulk))
+    if "messages" in measured:
+        protocol = dataclasses.replace(protocol, message_bytes=measured["messages"]["message_bytes"])
     return dataclasses.replace(profile, links=links, protocol=protocol)
 
 
@@ -119,6 +122,10 @@ def format_probe(result: dict) -> str:
         lines.append(f"{level:7s} {lat['rtt_median_us']:13.1f}   {lat['one_way_per_link_us']:19.1f}   "
                      f"{b['goodput_Bps'] / 1e6:12.2f}   {b['shaped_Bps'] / 1e6:11.2f}   "
                      f"{b['payload_fraction']:12.4f}   {b['ack_fraction']:11.4f}")
+    if result.get("messages"):
+        m = result["messages"]
+        lines += ["", f"messages: {m['messages']} one-float messages between ranks {m['pair'][0]} and {m['pair'][1]} put "
+                  f"{m['wire_bytes']} bytes on the wire: {m['message_bytes']:.0f} bytes a message on each link it crosses"]
     lines += ["", "collective      bytes/member  measured s  wire MB (nvlink/leaf/spine)   candidates (s, wire mismatch)  -> found"]
     for row in result["collectives"]:
         wire = "/".join(f"{v / 1e6:.2f}" for v in row["wire_bytes_by_level"].values())

@@ -207,11 +207,15 @@ class Protocol:
     With ``payload_fraction`` < 1 the link figures are wire rates (what the links are
     shaped to): a flow gets ``payload_fraction`` of a link's bandwidth for its payload, and
     a link carries ``payload / payload_fraction`` bytes forward plus ``ack_fraction x
-    payload`` bytes of acknowledgements back.
+    payload`` bytes of acknowledgements back, plus ``message_bytes`` for every message
+    (``testbed.collectives.algorithm_messages``) that crosses it.
     """
 
     payload_fraction: float = _optional_num("payload bytes per byte on the wire (headers), 0 < f <= 1", 1.0, efficiency)
     ack_fraction: float = _optional_num("acknowledgement bytes sent back per payload byte", 0.0)
+    message_bytes: float = _optional_num(
+        "wire bytes every message of the library adds on each link it crosses, whatever its size (its rendezvous "
+        "notices, their headers and acknowledgements)", 0.0)
 
 
 @dataclass(frozen=True)

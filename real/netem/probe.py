@@ -10,6 +10,9 @@ nothing else running:
   counters give the wire bytes forward (first link) and back (acknowledgements), so
   ``payload_fraction`` = payload / forward wire bytes and ``ack_fraction`` = backward wire
   bytes / payload; goodput = payload / seconds against the link's shaped rate.
+- *messages*: one-float messages passed back and forth between rank 0 and a rank of
+  another node: the wire bytes a message costs on each link it crosses, whatever its
+  size (the library's rendezvous notices, headers, acknowledgements): ``message_bytes``.
 - *collectives*: the real backend's all-to-all (uniform; on CPU sends and receives to
   every member at once, ``real.comm.all_to_all_p2p``), gloo's all_gather, reduce_scatter
   and all_reduce, and for reference gloo's own all_to_all (``gloo_alltoallv``), on every
@@ -39,7 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from testbed.errors import RunError
-from testbed.links import fabric_blocks
+from testbed.links import fabric_blocks, route
 from testbed.topology import LEVELS
 
 from real.comm import all_to_all_p2p
@@ -50,6 +53,7 @@ PING_ROUNDS = 400
 BULK_BYTES = 4 * 2**20
 COLLECTIVE_BYTES = 2 * 2**20  # per member
 COLLECTIVE_KINDS = ("all_to_all_v", "all_gather", "reduce_scatter", "all_reduce", "gloo_alltoallv")
+MESSAGES = 200  # tiny messages rank 0 and a rank of another node pass back and forth
 PORT = 47001
 
 
@@ -171,7 +175,7 @@ def _first_links(cluster, src: int, dst: int, level: str) -> tuple[tuple[str, in
 
 
 # ---- collectives on every rank --------------------------------------------------------------
-def _rank_main(rank: int, world: int, store: str, q, barrier, netns: tuple[str, str], nbytes: int):
+def _rank_main(rank: int, world: int, store: str, q, barrier, netns: tuple[str, str], nbytes: int, peer: int):
     try:
         enter_namespace(netns[0])
         os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
@@ -199,6 +203,15 @@ def _rank_main(rank: int, world: int, store: str, q, barrier, netns: tuple[str, 
             seconds[kind] = time.perf_counter() - t0
         barrier.wait(120)
         barrier.wait(120)
+        one = torch.ones(1)
+        for i in range(MESSAGES if rank in (0, peer) else 0):  # one message at a time, each way in turn
+            sender = 0 if i % 2 == 0 else peer
+            if rank == sender:
+                dist.send(one, peer if rank == 0 else 0)
+            else:
+                dist.recv(one, sender)
+        barrier.wait(120)
+        barrier.wait(120)
         q.put(("done", rank, pickle.dumps(seconds)))
         dist.barrier()
         dist.destroy_process_group()
@@ -206,20 +219,22 @@ def _rank_main(rank: int, world: int, store: str, q, barrier, netns: tuple[str, 
         q.put(("error", rank, f"{type(e).__name__}: {e}"))
 
 
-def collectives(fabric: EmulatedFabric, world: int, nbytes: int = COLLECTIVE_BYTES) -> list[dict]:
-    """Each of ``COLLECTIVE_KINDS`` once on every rank: seconds and counters around it."""
+def collectives(fabric: EmulatedFabric, world: int, peer: int, nbytes: int = COLLECTIVE_BYTES) -> tuple[list[dict], tuple]:
+    """Each of ``COLLECTIVE_KINDS`` once on every rank: seconds and counters around it; then
+    ``MESSAGES`` one-float messages between rank 0 and ``peer``: counters around them."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     barrier = ctx.Barrier(world + 1)
     snaps = []
     with tempfile.TemporaryDirectory(prefix="testbed-probe-") as tmp:
         procs = [ctx.Process(target=_rank_main, args=(r, world, str(Path(tmp) / "store"), q, barrier,
-                                                       (fabric.rank_namespace(r), fabric.rank_interface(r)), nbytes))
+                                                       (fabric.rank_namespace(r), fabric.rank_interface(r)), nbytes,
+                                                       peer))
                  for r in range(world)]
         for p in procs:
             p.start()
         try:
-            for _ in range(len(COLLECTIVE_KINDS) + 1):
+            for _ in range(len(COLLECTIVE_KINDS) + 2):
                 barrier.wait(300)
                 snaps.append(fabric.counters())
                 barrier.wait(300)
@@ -240,9 +255,10 @@ def collectives(fabric: EmulatedFabric, world: int, nbytes: int = COLLECTIVE_BYT
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-    return [{"kind": kind, "bytes_per_member": nbytes // 4 // world * world * 4,
+    rows = [{"kind": kind, "bytes_per_member": nbytes // 4 // world * world * 4,
              "seconds": max(results[r][kind] for r in results), "counters_before": snaps[i],
              "counters_after": snaps[i + 1]} for i, kind in enumerate(COLLECTIVE_KINDS)]
+    return rows, (snaps[-2], snaps[-1])
 
 
 def by_level(scenario, profile, before: dict, after: dict) -> dict[str, int]:
@@ -275,8 +291,14 @@ def probe(scenario, profile) -> dict:
                 "wire_forward_bytes": wire_fwd, "wire_backward_bytes": wire_back,
                 "payload_fraction": BULK_BYTES / wire_fwd if wire_fwd else None,
                 "ack_fraction": wire_back / BULK_BYTES}
-        for row in collectives(fabric, cluster.gpus):
+        peer = cluster.gpus_per_node  # the first rank of another node: its route crosses two NICs
+        rows, (before, after) = collectives(fabric, cluster.gpus, peer)
+        for row in rows:
             row["wire_bytes_by_level"] = by_level(scenario, profile, row.pop("counters_before"),
                                                   row.pop("counters_after"))
             out["collectives"].append(row)
+        wire = sum(after.values()) - sum(before.values())
+        links = len(route(cluster, 0, peer))
+        out["messages"] = {"pair": [0, peer], "messages": MESSAGES, "wire_bytes": wire,
+                           "message_bytes": wire / MESSAGES / links}
     return out

@@ -263,3 +263,23 @@ def test_64_gpu_all_to_all_in_flow_mode_is_fast():
     assert n.active_flows == 0
     assert env.now == pytest.approx(56e6 / 48e9 + 3e-6, rel=1e-6)  # 56 remote peers per NIC
     assert elapsed < 0.5, f"64-GPU all-to-all took {elapsed:.3f} s of wall time"
+
+
+def test_wire_bytes_add_headers_acknowledgements_and_a_cost_per_message():
+    """A ring all-reduce of 2 ranks across two NICs: payload / payload_fraction forward,
+    ack_fraction back, and message_bytes for each of gloo's 4(p-1) messages per hop on
+    every link it crosses."""
+    import dataclasses
+
+    from sim.collective_model import seconds_alone
+    from testbed.collectives import CollectiveOp
+    from testbed.profile import Protocol, load_profile
+    from testbed.scenario import Scenario
+
+    s = Scenario.from_dict({"cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 2, "microclusters": 1},
+                            "parallelism": {"ep_size": 1}})
+    p = dataclasses.replace(load_profile("emulated"), protocol=Protocol(0.9, 0.01, 300.0))
+    _, wire = seconds_alone(s, p, CollectiveOp("all_reduce", (0, 2), "expert_sync", size=10_000))
+    payload = 2 * 10_000  # each of the 2 flows carries 2(p-1)/p x size = size, over 2 NIC links
+    assert wire["leaf"] == round(2 * payload * (1 / 0.9 + 0.01) + 2 * 2 * 4 * 300)
+    assert wire["nvlink"] == 0 and wire["spine"] == 0

@@ -39,9 +39,11 @@ def test_probed_latencies_and_protocol_go_into_the_profile():
     measured = {"latency": {"nvlink": {"one_way_per_link_us": 7.0, "rtt_median_us": 28.0},
                             "leaf": {"one_way_per_link_us": 6.0, "rtt_median_us": 24.0},
                             "spine": {"one_way_per_link_us": 5.0, "rtt_median_us": 40.0}},
-                "bulk": {lv: {"payload_fraction": 0.95, "ack_fraction": 0.002} for lv in ("nvlink", "leaf", "spine")}}
+                "bulk": {lv: {"payload_fraction": 0.95, "ack_fraction": 0.002} for lv in ("nvlink", "leaf", "spine")},
+                "messages": {"message_bytes": 400.0}}
     q = probed_profile(p, measured)
     assert q.links.nvlink.latency_us == 7.0 and q.links.nic.latency_us == 6.0
     assert q.links.spine.latency_us == pytest.approx((40.0 / 2 - 2 * 6.0) / 2)  # 2 NICs and 2 spine links each way
     assert q.protocol.payload_fraction == 0.95 and q.protocol.ack_fraction == 0.002
+    assert q.protocol.message_bytes == 400.0
     assert dataclasses.replace(q, links=p.links, protocol=p.protocol) == p  # nothing else changed
