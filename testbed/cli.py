@@ -164,7 +164,7 @@ def format_summary(s: dict) -> str:
         f"step time  {ms(s['step_time_s'])} (median)",
         f"stages     {stages}",
         f"bytes      {stage_bytes or '0'}  (per step, all ranks)",
-        f"levels     {levels}",
+        f"levels     {levels}  (payload, each transfer once)",
         f"memory     peak {format_bytes(s['peak_memory_bytes'])} on the fullest rank",
         f"dropped    {100 * s['dropped_token_fraction']:.2f}% of routed slots",
         f"paging     {s['page_moves_per_step']:.1f} page moves per step",
@@ -172,6 +172,11 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("loss_first") is not None:
         lines.append(f"loss       {s['loss_first']:.4f} -> {s['loss_last']:.4f}")
+    if s.get("wire_bytes_by_level"):
+        wire = " | ".join(f"{k} {format_bytes(v)}" for k, v in s["wire_bytes_by_level"].items())
+        lines.append(f"wire       {wire}  (per step on every link of a level, headers included)")
+    if s.get("fitted_share") is not None:
+        lines.append(f"fitted     {100 * s['fitted_share']:.1f}% of the simulated step from fitted constants")
     if s.get("utilization_by_level"):
         util = " | ".join(f"{k} {100 * v:.1f}%" for k, v in s["utilization_by_level"].items())
         lines.append(f"links      utilization {util} ({s.get('network_model')} network model)")
