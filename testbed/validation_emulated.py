@@ -13,6 +13,8 @@ import plotly.graph_objects as go
 
 from testbed.html_page import figures_html, table_html, write_page
 from testbed.profile import load_profile
+from testbed.stages import STAGES
+from testbed.topology import LEVELS
 from testbed.validation_report import _label, _ms, miss_reason, profile_section, scatter_figure, stage_error_figure
 
 #: (result key, what it is, how it is judged, format)
@@ -84,6 +86,12 @@ def write_emulated_report(result: dict, output: str | Path) -> Path:
                      _fmt(p.get("network_share"), "pct"), _fmt(p.get("fitted_share"), "pct"), wire,
                      f"{100 * p['run_to_run_spread']:.1f}%", miss_reason(p, goals["median_abs_error"]),
                      ", ".join(p["real_runs"]), p["sim_run"]])
+    stages = [st for st in STAGES if any(st in p["stages"] for p in points)]
+    stage_rows = [[_label(p)] + [f"{_ms(p['stages'][st]['measured_s'])} / {_ms(p['stages'][st]['simulated_s'])}"
+                                 if st in p["stages"] else "" for st in stages] for p in points]
+    util_rows = [[_label(p)] + [f"{100 * u['measured']:.0f}% / {100 * u['simulated']:.0f}%"
+                                if (u := p.get("utilization_by_level", {}).get(lv)) else "" for lv in LEVELS[:3]]
+                 for p in points]
     pair_rows = [[q["knob"], q["a"], q["b"], f"{q['measured_speedup']:.3f}", f"{q['simulated_speedup']:.3f}",
                   f"{q['error_pp']:.1f}", "yes" if q["agree"] else "NO",
                   "scored" if q["scored"] else "within run-to-run spread"] for q in pairs]
@@ -102,6 +110,8 @@ def write_emulated_report(result: dict, output: str | Path) -> Path:
         ("Points", table_html(["point", "measured ms", "simulated ms", "error", "network share", "fitted share",
                                "wire bytes error by level", "spread", "why (where the point misses)", "real runs",
                                "simulated run"], rows)),
+        ("Stage times, measured / simulated (ms per step, mean over ranks)", table_html(["point"] + stages, stage_rows)),
+        ("Link utilisation per level, measured / simulated", table_html(["point"] + list(LEVELS[:3]), util_rows)),
         ("Speedups, one knob apart (time of a / time of b)",
          table_html(["knob", "a", "b", "measured", "simulated", "error pp", "same direction", ""], pair_rows)),
         ("Profile used, and the shapes of calibration and validation", profile_section(result)),

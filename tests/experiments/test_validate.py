@@ -130,4 +130,5 @@ def test_emulated_report_names_goals_runs_and_shapes(tmp_path, repo_root):
     assert "<script src=" not in html and "Plotly" in html
     assert "MISSED" in html and "dispatch off by +20.00 ms" in html  # the 30% miss says which stage
     assert "256x128x1024x16" in html and "r0, r1" in html and "placement" in html
-    assert "Wire bytes per step and level" in html
+    assert "Wire bytes per step and level" in html and "Stage times, measured / simulated" in html
+    assert "100 / 120" not in html and "100.00 / 120.00" in html  # dispatch, measured / simulated ms
