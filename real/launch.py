@@ -42,10 +42,9 @@ from real.control import DistControl, GateKeeper, LocalControl, merge_step
 from real.netem import EmulatedFabric, enter_namespace
 from real.worker import RankRunner
 from testbed.errors import RunError, ScenarioError
-from testbed.links import fabric_blocks
+from testbed.links import counted_bytes_by_level
 from testbed.profile import load_profile
 from testbed.scenario import Scenario
-from testbed.topology import LEVELS
 
 POLL_S = 0.2
 REPORTED_EXIT = 3  # a rank that raised and sent its error exits with this code
@@ -131,11 +130,9 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
     q = ctx.Queue()
     barrier = ctx.Barrier(world + 1)  # the ranks and this process's GateKeeper
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="testbed-") as tmp:
-        fabric = meter = None
+        fabric = None
         if scenario.real.network == "emulated":
-            profile = load_profile(scenario.cluster.profile)
-            fabric = stack.enter_context(EmulatedFabric(scenario, profile))
-            meter = WireMeter(scenario, profile)
+            fabric = stack.enter_context(EmulatedFabric(scenario, load_profile(scenario.cluster.profile)))
         stack.callback(_stop_on_signals())  # SIGTERM / SIGHUP unwind like Ctrl-C: teardown runs
         store_path = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_rank_main,
@@ -146,7 +143,7 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
         for p in procs:
             p.start()
         try:
-            return _collect(procs, q, on_step, keeper, meter, scenario.real.timeout_s)
+            return _collect(procs, q, on_step, keeper, fabric is not None, scenario.real.timeout_s)
         finally:
             keeper.stop()
             for p in procs:
@@ -171,23 +168,6 @@ def _stop_on_signals():
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
 
 
-class WireMeter:
-    """Bytes each step put on the emulated links, by level: the difference of the kernel's
-    counters between the gate that opened the step and the next one. A level's bytes are
-    summed over its directed links (a transfer between two nodes of a leaf crosses two
-    NIC links), headers included."""
-
-    def __init__(self, scenario: Scenario, profile):
-        self.level_of = {(b, i): LEVELS[fig.level] for b, fig in fabric_blocks(scenario.cluster, profile).items()
-                         for i in range(fig.count)}
-
-    def by_level(self, before: dict, after: dict) -> dict[str, int]:
-        out = {lv: 0 for lv in LEVELS[:3]}
-        for key, value in after.items():
-            out[self.level_of[key]] += int(value - before.get(key, 0))
-        return out
-
-
 def _silent_death(procs, done, wait_s: float) -> int | None:
     """A rank that exited abnormally without reporting an error, if one does within wait_s."""
     deadline = time.monotonic() + wait_s
@@ -200,9 +180,10 @@ def _silent_death(procs, done, wait_s: float) -> int | None:
         time.sleep(0.05)
 
 
-def _collect(procs, q, on_step, keeper: GateKeeper, meter: WireMeter | None, timeout_s: float) -> dict:
+def _collect(procs, q, on_step, keeper: GateKeeper, counted: bool, timeout_s: float) -> dict:
     """Merge the ranks' step metrics into records (in step order) until every rank is done;
-    stop at the first rank that fails."""
+    stop at the first rank that fails. ``counted``: the keeper reads link counters at every
+    gate, and each record gets the bytes per level between its step's two gates."""
     world = len(procs)
     done: dict[int, dict] = {}
     steps: dict[int, dict] = {}  # step -> {"locals": {rank: local}, "lead": lead}
@@ -211,13 +192,13 @@ def _collect(procs, q, on_step, keeper: GateKeeper, meter: WireMeter | None, tim
 
     def flush(wait: bool) -> None:
         while ready:
-            if meter is not None and not wait and len(keeper.results) <= merged[0] + 1:
+            if counted and not wait and len(keeper.results) <= merged[0] + 1:
                 return  # the step's closing gate has not been passed yet
             step, entry = ready.pop(0)
             wire = None
-            if meter is not None:
+            if counted:
                 k = merged[0]
-                wire = meter.by_level(keeper.result(k, timeout_s), keeper.result(k + 1, timeout_s))
+                wire = counted_bytes_by_level(keeper.result(k, timeout_s), keeper.result(k + 1, timeout_s))
             on_step(merge_step(step, [entry["locals"][r] for r in range(world)], entry["lead"], wire))
             merged[0] += 1
 

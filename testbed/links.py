@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from testbed.topology import LEAF, NVLINK, PCIE, SPINE
+from testbed.topology import LEAF, LEVELS, NVLINK, PCIE, SPINE
 
 #: the blocks in the order of the simulator's dense edge arrays
 BLOCKS = ("nvlink_up", "nvlink_down", "nic_up", "nic_down", "h2d", "d2h", "spine_up", "spine_down")
 #: the blocks between GPUs and switches (no PCIe): what an emulated cluster wires
 NETWORK_BLOCKS = ("nvlink_up", "nvlink_down", "nic_up", "nic_down", "spine_up", "spine_down")
+#: the level (testbed.topology code) of each block's links
+BLOCK_LEVEL = {"nvlink_up": NVLINK, "nvlink_down": NVLINK, "nic_up": LEAF, "nic_down": LEAF, "h2d": PCIE, "d2h": PCIE,
+               "spine_up": SPINE, "spine_down": SPINE}
 
 
 class BlockFigures(NamedTuple):
@@ -41,16 +44,24 @@ def fabric_blocks(cluster, profile) -> dict[str, BlockFigures]:
     links = profile.links
     w, m = cluster.gpus, cluster.microclusters
     uplink = cluster.gpus_per_microcluster * links.spine.bandwidth / cluster.leaf_spine_oversubscription
-    return {
-        "nvlink_up": BlockFigures(w, links.nvlink.bandwidth, links.nvlink.latency, NVLINK),
-        "nvlink_down": BlockFigures(w, links.nvlink.bandwidth, links.nvlink.latency, NVLINK),
-        "nic_up": BlockFigures(w, links.nic.bandwidth, links.nic.latency, LEAF),
-        "nic_down": BlockFigures(w, links.nic.bandwidth, links.nic.latency, LEAF),
-        "h2d": BlockFigures(w, links.pcie.bandwidth, links.pcie.latency, PCIE),
-        "d2h": BlockFigures(w, links.pcie.bandwidth, links.pcie.latency, PCIE),
-        "spine_up": BlockFigures(m, uplink, links.spine.latency, SPINE),
-        "spine_down": BlockFigures(m, uplink, links.spine.latency, SPINE),
-    }
+    figures = {"nvlink": (w, links.nvlink), "nic": (w, links.nic), "h2d": (w, links.pcie), "d2h": (w, links.pcie)}
+    out = {}
+    for block in BLOCKS:
+        if block.startswith("spine"):
+            out[block] = BlockFigures(m, uplink, links.spine.latency, BLOCK_LEVEL[block])
+        else:
+            count, fig = figures[block.split("_")[0]]
+            out[block] = BlockFigures(count, fig.bandwidth, fig.latency, BLOCK_LEVEL[block])
+    return out
+
+
+def counted_bytes_by_level(before: dict, after: dict) -> dict[str, int]:
+    """Bytes the directed links of each network level carried between two readings of
+    per-link byte counters keyed (block, index) (an emulated cluster's ``counters()``)."""
+    out = {lv: 0 for lv in LEVELS[:3]}
+    for (block, index), value in after.items():
+        out[LEVELS[BLOCK_LEVEL[block]]] += int(value - before.get((block, index), 0))
+    return out
 
 
 def wired_blocks(cluster) -> tuple[str, ...]:

@@ -42,8 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from testbed.errors import RunError
-from testbed.links import fabric_blocks, route
-from testbed.topology import LEVELS
+from testbed.links import counted_bytes_by_level, fabric_blocks, route
 
 from real.comm import all_to_all_p2p
 from real.netem.fabric import EmulatedFabric
@@ -261,16 +260,6 @@ def collectives(fabric: EmulatedFabric, world: int, peer: int, nbytes: int = COL
     return rows, (snaps[-2], snaps[-1])
 
 
-def by_level(scenario, profile, before: dict, after: dict) -> dict[str, int]:
-    """Counter differences summed per level."""
-    level = {(b, i): LEVELS[f.level] for b, f in fabric_blocks(scenario.cluster, profile).items()
-             for i in range(f.count)}
-    out = {lv: 0 for lv in LEVELS[:3]}
-    for key, value in after.items():
-        out[level[key]] += int(value - before.get(key, 0))
-    return out
-
-
 def probe(scenario, profile) -> dict:
     """Every measurement of the module doc, on a fresh emulated cluster of ``scenario``."""
     cluster = scenario.cluster
@@ -294,8 +283,7 @@ def probe(scenario, profile) -> dict:
         peer = cluster.gpus_per_node  # the first rank of another node: its route crosses two NICs
         rows, (before, after) = collectives(fabric, cluster.gpus, peer)
         for row in rows:
-            row["wire_bytes_by_level"] = by_level(scenario, profile, row.pop("counters_before"),
-                                                  row.pop("counters_after"))
+            row["wire_bytes_by_level"] = counted_bytes_by_level(row.pop("counters_before"), row.pop("counters_after"))
             out["collectives"].append(row)
         wire = sum(after.values()) - sum(before.values())
         links = len(route(cluster, 0, peer))
