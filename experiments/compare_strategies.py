@@ -22,7 +22,7 @@ from testbed.backend import BACKENDS
 from testbed.errors import ScenarioError, run_as_command
 from testbed.report import write_comparison_report
 from testbed.runner import run_scenario
-from testbed.runs import find_complete
+from testbed.runs import latest_run
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
 from testbed.scenario_file import load_scenario
 
@@ -58,7 +58,7 @@ def sweep(base: Scenario, backends: list[str], *, fresh: bool = False, log=sys.s
         for scenario in variants:
             c = scenario.comm
             print(f"[{len(rows) + 1}/{total}] {backend} {c.token_strategy} {c.expert_sync} ...", end=" ", file=log, flush=True)
-            reused = not fresh and find_complete(scenario, backend) is not None
+            reused = not fresh and latest_run(scenario, backend) is not None
             start = time.perf_counter()
             try:
                 summary = run_scenario(scenario, backend, reuse=not fresh)

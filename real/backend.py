@@ -8,10 +8,11 @@ the run folder (``writes_run_folder``) and gets the step records.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
-from real.checkpoint import checkpoint_dir
+from real.checkpoint import checkpoint_dir, resumable_steps
 from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env
 from real.netem import check_privileges
 from real.worker import stream_of
@@ -45,9 +46,44 @@ def check_runnable(scenario: Scenario) -> None:
         check_privileges()  # one clear line without root, before anything is made
 
 
+def check_ranks_per_core(scenario: Scenario, force: bool) -> None:
+    """Refuse more CPU ranks per core than ``real.max_ranks_per_core`` (unless ``force``):
+    past it every rank mostly waits for a core, and a run measures the scheduler."""
+    if force or pick_device(scenario) == "cuda" or torchrun_env() is not None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = scenario.real.max_ranks_per_core
+    if scenario.world_size > limit * cores:
+        raise ScenarioError("real.max_ranks_per_core", limit,
+                            f"{scenario.world_size} CPU ranks on {cores} cores is {scenario.world_size / cores:g} per "
+                            f"core (--force, or a larger real.max_ranks_per_core, to run anyway)")
+
+
 class RealBackend:
     name = "real"
     takes_run_dir = True  # testbed.runner passes the run folder (checkpoints, profiler traces) and resume
+
+    def check(self, scenario: Scenario, resume=None, force: bool = False) -> None:
+        """Everything that can refuse the run, before any folder is written or rank started:
+        options only the simulator models, privileges, ranks per core, checkpoints and
+        what a resume needs."""
+        check_runnable(scenario)
+        check_ranks_per_core(scenario, force)
+        if resume is None:
+            return
+        if not scenario.checkpoint.enabled:
+            raise ScenarioError("checkpoint.enabled", False, "resuming needs the run's checkpoints")
+        directory = checkpoint_dir(scenario, resume)
+        if resumable_steps(scenario, directory) == {0}:
+            raise ScenarioError("--resume", str(resume), f"no checkpoint complete on every rank in {directory}: "
+                                "nothing to continue from")
+
+    def job_id(self) -> str | None:
+        """An id every process of this torchrun job shares (it names the one run folder), or None."""
+        env = torchrun_env()
+        if env is None:
+            return None
+        return os.environ.get("TORCHELASTIC_RUN_ID") or f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
 
     def writes_run_folder(self) -> bool:
         """False on torchrun ranks other than 0: rank 0 alone writes the run folder."""

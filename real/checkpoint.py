@@ -51,6 +51,51 @@ def checkpoint_dir(scenario: Scenario, run_dir: str | os.PathLike | None) -> Pat
     return Path(run_dir) / "checkpoints" if run_dir is not None else None
 
 
+def resumable_steps(scenario: Scenario, directory: Path) -> set[int]:
+    """Steps every rank's checkpoint files let a run resume from, read from the files alone
+    (0, the start, always): what ``--resume`` can continue from, checked before any rank
+    starts."""
+    common: set[int] | None = None
+    for rank in range(scenario.world_size):
+        steps = CheckpointFiles(Path(directory) / f"rank{rank}").complete_steps()
+        common = steps if common is None else common & steps
+    return common or {0}
+
+
+class CheckpointFiles:
+    """One rank's checkpoint files: which steps they let it resume from."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+
+    def files(self) -> dict[str, dict[int, Path]]:
+        files: dict[str, dict[int, Path]] = {"rng": {}, "experts": {}, "optimizer": {}}
+        self.prev_of: dict[int, int] = {}
+        for path in self.dir.iterdir() if self.dir.is_dir() else []:
+            m = _NAME.match(path.name)
+            if m:
+                kind, step = m.group(1), int(m.group(2))
+                files[kind][step] = path
+                if kind == "optimizer":
+                    self.prev_of[step] = int(m.group(3))
+        return files
+
+    def chain(self, files, n: int) -> list[int] | None:
+        """Optimizer checkpoints from 0 up to n (ascending), None when a link is missing."""
+        out = []
+        while n > 0:
+            if n not in files["optimizer"] or self.prev_of[n] >= n:
+                return None
+            out.append(n)
+            n = self.prev_of[n]
+        return out[::-1]
+
+    def complete_steps(self) -> set[int]:
+        """Steps whose state this rank can restore (0 always)."""
+        files = self.files()
+        return {0} | {n for n in files["rng"] if n > 0 and self.chain(files, n) is not None}
+
+
 class AsyncWriter:
     """Saves payloads to files on one background thread, in submission order."""
 
@@ -99,6 +144,7 @@ class Checkpointer:
         self.rank = rank
         self.dir = Path(directory) / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.on_disk = CheckpointFiles(self.dir)
         self.prev = 0  # the last optimizer checkpoint (0: the initial state)
         self.routing_since: list[np.ndarray] = []  # rank 0: routing of the steps since ``prev``
         self.writer = AsyncWriter()
@@ -145,32 +191,9 @@ class Checkpointer:
         return self.dir / name
 
     # ---- finding a resume point -------------------------------------------------------------------
-    def _files(self) -> dict[str, dict[int, Path]]:
-        files: dict[str, dict[int, Path]] = {"rng": {}, "experts": {}, "optimizer": {}}
-        self._prev_of: dict[int, int] = {}
-        for path in self.dir.iterdir() if self.dir.is_dir() else []:
-            m = _NAME.match(path.name)
-            if m:
-                kind, step = m.group(1), int(m.group(2))
-                files[kind][step] = path
-                if kind == "optimizer":
-                    self._prev_of[step] = int(m.group(3))
-        return files
-
-    def _chain(self, files, n: int) -> list[int] | None:
-        """Optimizer checkpoints from 0 up to n (ascending), None when a link is missing."""
-        chain = []
-        while n > 0:
-            if n not in files["optimizer"] or self._prev_of[n] >= n:
-                return None
-            chain.append(n)
-            n = self._prev_of[n]
-        return chain[::-1]
-
     def complete_steps(self) -> set[int]:
         """Steps whose state this rank can restore (0 always)."""
-        files = self._files()
-        return {0} | {n for n in files["rng"] if n > 0 and self._chain(files, n) is not None}
+        return self.on_disk.complete_steps()
 
     def resume_point(self, requested: int | None) -> int:
         """The step every rank can resume from: ``requested``, or the latest (collective)."""
@@ -190,12 +213,12 @@ class Checkpointer:
     def restore(self, n: int, state) -> list[np.ndarray]:
         """Put ``state`` back to step ``n``; returns the routing of steps 0 .. n-1 (rank 0;
         an empty list elsewhere). Files of later steps are deleted."""
-        files = self._files()
+        files = self.on_disk.files()
         self._forget_after(n, files)
         self.prev, self.routing_since = n, []
         if n == 0:
             return []
-        chain = self._chain(files, n)
+        chain = self.on_disk.chain(files, n)
         base = max((e for e in files["experts"] if e <= n), default=0)
         pages: dict[int, torch.Tensor] = {}
         if base > 0:

@@ -8,6 +8,7 @@ capacity (M2) to them, so a replay may also change the capacity factor.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.errors import ScenarioError
+from testbed.files import write_atomic
 from testbed.scenario import Scenario
 
 FILE = "routing.npz"
@@ -36,9 +38,9 @@ class RoutingTrace:
         path = Path(run_dir) / FILE
         meta = {"tokens_per_rank": self.tokens_per_rank, "top_k": self.top_k,
                 "shape": ["steps", "layers", "ranks", "experts"]}
-        with open(path, "wb") as f:  # an open file: np.savez would append ".npz" to a str path
-            np.savez_compressed(f, routed=self.routed.astype(np.int32), meta=json.dumps(meta))
-        return path
+        buf = io.BytesIO()  # np.savez would append ".npz" to a str path; written whole below
+        np.savez_compressed(buf, routed=self.routed.astype(np.int32), meta=json.dumps(meta))
+        return write_atomic(path, buf.getvalue())
 
     @classmethod
     def load(cls, run_dir: str | Path) -> "RoutingTrace":

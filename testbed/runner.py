@@ -1,4 +1,4 @@
-"""Run a scenario on a backend and store it as a run folder (``testbed.runs``)."""
+"""Run a scenario on a backend and store it in the run store (``testbed.runs``)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,29 @@ from pathlib import Path
 
 from testbed.backend import RunResult, get_backend
 from testbed.errors import ScenarioError
+from testbed.guards import check_size
 from testbed.results import StepRecord, summarize
-from testbed.runs import RunWriter, check_resumable, find_complete, load_run, run_dir_for
+from testbed.runs import RunWriter, check_resumable, latest_run, load_run, new_run_id
 from testbed.scenario import Scenario
+from testbed.sources import describe_sources
 
 
 def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = False,
-                 reuse: bool = False, resume: str | Path | None = None) -> dict:
+                 reuse: bool = False, resume: str | Path | None = None, force: bool = False) -> dict:
     """Run ``scenario`` on ``backend`` and return its summary (with ``run_dir``).
 
-    ``reuse=True`` returns the summary of an identical finished run instead of running
-    again (what sweeps use to resume where they stopped).
+    ``reuse=True`` returns the summary of the latest complete run of this scenario instead
+    of running again (what sweeps use to resume where they stopped).
 
     ``resume``: a stopped run folder of this scenario to continue from its latest
     complete checkpoint (M23; backends that keep checkpoints: real); its steps.jsonl
-    keeps the steps before that point and continues.
+    keeps the steps before that point and continues. A resume that is refused leaves the
+    folder as it was.
+
+    Before anything starts, the scenario's size is checked against what this machine
+    holds (``testbed.guards``; ``force`` goes on anyway), and the backend checks what it
+    can run (``check(scenario, resume, force)``). A run that fails or is stopped before
+    its first step leaves no folder; one stopped later keeps its steps, marked incomplete.
 
     Backends that take a run folder (``takes_run_dir``) are given it, for checkpoints and
     profiler traces. A backend may say this process does not write the run folder
@@ -28,7 +36,7 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
     job while rank 0 writes): then nothing is written and the summary is only
     ``{"backend", "run_dir": None, "writer": False}``.
     """
-    if reuse and resume is None and (done := find_complete(scenario, backend)) is not None:
+    if reuse and resume is None and (done := latest_run(scenario, backend)) is not None:
         return load_run(done)[1]
     impl = get_backend(backend)
     takes_run_dir = getattr(impl, "takes_run_dir", False)
@@ -36,12 +44,16 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
         if not takes_run_dir:
             raise ScenarioError("--resume", str(resume), f"the {backend} backend keeps no checkpoints to resume from")
         check_resumable(resume, scenario)
+    check_size(scenario, backend, force=force)
+    if hasattr(impl, "check"):
+        impl.check(scenario, resume=resume, force=force)
     writes = getattr(impl, "writes_run_folder", lambda: True)()
-    writer = RunWriter(scenario, backend, resume) if writes else None
+    run_id = new_run_id(scenario, backend, getattr(impl, "job_id", lambda: None)())
+    writer = RunWriter(scenario, backend, resume, run_id) if writes else None
     if writer is not None:
         run_dir = writer.dir
     else:  # the folder rank 0 writes; checkpoints and profiler traces of this rank go there too
-        run_dir = Path(resume) if resume is not None else run_dir_for(scenario, backend)
+        run_dir = Path(resume) if resume is not None else Path(scenario.run.output_dir) / run_id
     records: list[StepRecord] = []
 
     def on_step(record: StepRecord) -> None:
@@ -50,14 +62,15 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
             writer.write_step(record)
 
     options = {"run_dir": run_dir, "resume": True if resume is not None else None} if takes_run_dir else {}
-    fields = {"backend": backend, "run_dir": str(run_dir)}
+    fields = {"backend": backend, "run_dir": str(run_dir), **describe_sources(scenario, backend)}
     try:
         result: RunResult = impl.run(scenario, progress=progress, on_step=on_step, **options)
     except BaseException:
-        # stopped or failed: keep what was measured, marked incomplete
-        if writer is not None:
+        if writer is not None and writer.started_writing:  # stopped or failed: keep what was measured
             writer.finish(summarize(writer.kept + records, scenario.run.warmup_steps, **fields), [], None,
                           complete=False)
+        elif writer is not None:
+            writer.abandon()  # refused or failed before its first step: no folder
         raise
     if writer is None:
         return {"backend": backend, "run_dir": None, "writer": False}
