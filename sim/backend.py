@@ -19,6 +19,7 @@ import simpy
 from testbed.backend import RunResult
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
+from testbed.guards import network_mode
 from testbed.page_moves import page_move_count
 from testbed.profile import MachineProfile, load_profile
 from testbed.progress import Progress
@@ -78,13 +79,6 @@ def host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple
         if r["stage"] not in out or r["variant"]:  # a matching variant beats a generic entry
             out[r["stage"]] = (r["us"] * 1e-6, r["us_per_MB"] * 1e-12)
     return out
-
-
-def network_mode(scenario: Scenario) -> str:
-    mode = scenario.sim.network_model
-    if mode == "auto":
-        return "flow" if scenario.world_size <= scenario.sim.flow_max_gpus else "analytic"
-    return mode
 
 
 class ClusterSim:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import sys
 from pathlib import Path
 
@@ -35,10 +36,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="override one scenario field (repeatable)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     run.add_argument("--no-progress", action="store_true", help="do not show progress on stderr")
+    run.add_argument("--force", action="store_true", help="run even past the size and ranks-per-core limits")
     run.add_argument("--resume", metavar="RUN_DIR",
                      help="continue a stopped real run from its latest complete checkpoint (M23), in that "
                           "folder; without CONFIG its scenario.toml is used")
     run.set_defaults(func=_cmd_run)
+
+    runs = sub.add_parser("runs", help="list the run store: id, scenario, backend, date, steps, complete")
+    runs.add_argument("--output-dir", default="runs", help="the store (run.output_dir; default runs)")
+    runs.set_defaults(func=_cmd_runs)
 
     rep = sub.add_parser("report", help="compare runs in one self-contained HTML page")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -89,13 +95,27 @@ def _cmd_run(args) -> int:
     if config is None and args.resume:
         config = str(Path(args.resume) / "scenario.toml")
     scenario = load_scenario(config, args.overrides)
-    summary = run_scenario(scenario, args.backend, progress=not args.no_progress, resume=args.resume)
+    summary = run_scenario(scenario, args.backend, progress=not args.no_progress, resume=args.resume,
+                           force=args.force)
     if not summary.get("run_dir"):
         return 0  # a torchrun rank other than 0: rank 0 prints the run
     if args.json:
         print(json.dumps(summary))
     else:
         print(format_summary(summary))
+    return 0
+
+
+def _cmd_runs(args) -> int:
+    from testbed.runs import list_runs
+
+    rows = list_runs(args.output_dir)
+    if not rows:
+        print(f"no runs in {args.output_dir}")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"])) if r["started"] else "?"
+        state = "complete" if r["complete"] else f"incomplete ({r['steps']} steps)"
+        print(f"{r['id']}  {r['backend']:4s}  {when}  {state:22s}  {r['scenario']}")
     return 0
 
 
@@ -162,6 +182,7 @@ def format_summary(s: dict) -> str:
     lines = [
         f"run        {s['run_dir']}  ({s['backend']}, {s['steps']} steps, {s['measured_steps']} measured)",
         f"step time  {ms(s['step_time_s'])} (median)",
+        f"sources    profile {s.get('profile', '?')} ({'calibrated on this machine' if s.get('profile_calibrated_here') else 'not calibrated on this machine'}), routing: {s.get('routing_source', '?')}",
         f"stages     {stages}",
         f"bytes      {stage_bytes or '0'}  (per step, all ranks)",
         f"levels     {levels}  (payload, each transfer once)",

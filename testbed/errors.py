@@ -25,8 +25,10 @@ def run_as_command(prog: str, work, stopped: str) -> int:
     """Run ``work()`` for a command-line tool and return its exit code.
 
     A ``ScenarioError`` or ``RunError`` prints ``PROG: error: ...`` as one line and
-    gives 2; Ctrl-C prints ``PROG: <stopped>`` and gives 130.
+    gives 2; Ctrl-C prints ``PROG: <stopped>`` and gives 130; output into a closed pipe
+    (``testbed run ... | head``) prints one line and gives 141, as a shell reports SIGPIPE.
     """
+    import os
     import sys
 
     try:
@@ -37,3 +39,8 @@ def run_as_command(prog: str, work, stopped: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: {stopped}", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away: say so once, and keep Python from a second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{prog}: output pipe closed by its reader", file=sys.stderr)
+        return 141

@@ -224,6 +224,8 @@ class RealConfig:
                        "namespace, wired and rate-shaped as the cluster and its profile's links; needs root)",
                        "loopback", choices=("loopback", "emulated"))
     timeout_s: float = doc("a collective that waits longer than this fails the run", 60.0, check=positive)
+    max_ranks_per_core: int = doc("CPU ranks per core the backend runs without --force (more measure the scheduler)", 4,
+                                  check=positive)
     check_weights: bool = doc("keep an unpaged copy of expert weights and check pages against it every step", False)
     profile: bool = doc("run the steps after warm-up under torch.profiler; each rank writes torch_trace_rank<r>.json into the run folder", False)
 

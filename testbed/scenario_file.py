@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 from pathlib import Path
 
 import tomllib
@@ -13,13 +12,25 @@ from testbed.scenario import Scenario
 
 
 def read_toml(path: str | Path) -> dict:
+    """The scenario file's tables. A directory, a missing, unreadable, empty or invalid file
+    is a ScenarioError of its own (an empty file would silently run every default)."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise ScenarioError("config", str(path), "is a directory, not a scenario file (e.g. configs/quickstart.toml)")
+    if not p.exists():
         raise ScenarioError("config", str(path), "no such file")
     try:
-        return tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScenarioError("config", str(path), f"cannot read it: {e}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
         raise ScenarioError("config", str(path), f"not valid TOML: {e}") from None
+    if not data:
+        raise ScenarioError("config", str(path), "is empty: give at least one [section] (or no file at all for "
+                            "the built-in defaults)")
+    return data
 
 
 def apply_override(data: dict, item: str) -> None:
