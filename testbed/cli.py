@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from testbed.backend import get_tool
-from testbed.errors import run_as_command
+from testbed.errors import ScenarioError, run_as_command
 from testbed.scenario import field_docs
 from testbed.scenario_file import load_scenario
 from testbed.units import format_bytes
@@ -92,6 +92,8 @@ def _cmd_run(args) -> int:
     from testbed.runner import run_scenario
 
     config = args.config
+    if args.resume and not (Path(args.resume) / "scenario.toml").is_file():
+        raise ScenarioError("--resume", args.resume, "not a run folder (no scenario.toml in it)")
     if config is None and args.resume:
         config = str(Path(args.resume) / "scenario.toml")
     scenario = load_scenario(config, args.overrides)
