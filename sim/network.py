@@ -250,7 +250,8 @@ class Network:
         if gen != self._gen:  # superseded by a later recomputation
             return
         self._advance()
-        left = self._rem / self._rate
+        with np.errstate(divide="ignore"):  # flows started this instant have no rate yet: not done
+            left = self._rem / self._rate
         # done (left <= 0 when coalesced), or within float rounding of done
         done = left <= REL_EPS * dt + 4 * np.spacing(self.env.now)
         if not done.any():  # float rounding left a sliver: finish the earliest flow

@@ -20,3 +20,10 @@ def percentile(v):
 
 def efficiency(v):
     return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def between(lo: float, hi: float):
+    """A check that a value lies in [lo, hi]."""
+    def check(v):
+        return None if lo <= v <= hi else f"must be between {lo:g} and {hi:g}"
+    return check

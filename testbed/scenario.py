@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from testbed.checks import fraction, non_negative, percentile, positive
+from testbed.checks import between, fraction, non_negative, percentile, positive
 from testbed.errors import ScenarioError
 from testbed.topology import Layout
 from testbed.units import parse_bytes
@@ -188,7 +188,8 @@ class WorkloadConfig:
     """Where routing comes from: a synthetic skewed workload (M4) or a recorded trace."""
 
     tokens_per_rank: int = doc("tokens each rank routes per step per layer", 256, check=positive)
-    skew: float = doc("Zipf exponent of global expert popularity (0 = uniform)", 1.0, check=non_negative)
+    skew: float = doc("Zipf exponent of global expert popularity (0 = uniform; at most 50: by then the first "
+                      "expert takes every token)", 1.0, check=between(0, 50))
     drift: float = doc("per-step drift of popularity (0 = static)", 0.02, check=non_negative)
     locality: float = doc("weight of each rank's own preference against the global one", 0.5, check=fraction)
     seed: int = doc("seed of the workload", 0)

@@ -2,7 +2,8 @@
 
 Every number comes from the result the experiment passes in, which names each point's
 real runs (measured, with the kernel's byte counters) and simulated run (the simulator
-replaying the first real run's routing with the named calibrated profile). Times in ms.
+replaying the first real run's routing with the named calibrated profile). Times in ms,
+wire bytes in MiB (2^20 bytes).
 """
 
 from __future__ import annotations
@@ -11,11 +12,30 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from testbed.html_page import figures_html, table_html, write_page
+from testbed.html_page import (
+    LEVEL_COLORS,
+    MiB,
+    category_ticks,
+    figures_html,
+    legend_below,
+    spans_decade,
+    table_html,
+    value_axis,
+    write_page,
+)
 from testbed.profile import load_profile
 from testbed.stages import STAGES
 from testbed.topology import LEVELS
-from testbed.validation_report import _label, _ms, miss_reason, profile_section, scatter_figure, stage_error_figure
+from testbed.validation_report import (
+    _label,
+    _ms,
+    miss_reason,
+    profile_section,
+    scatter_figure,
+    sources_note,
+    stage_error_figure,
+    stage_time_figure,
+)
 
 #: (result key, what it is, how it is judged, format)
 GOAL_ROWS = (
@@ -35,39 +55,53 @@ def _fmt(value, kind: str) -> str:
     return {"pct": f"{100 * value:.1f}%", "frac": f"{value:.3f}", "pp": f"{value:.1f} pp"}[kind]
 
 
+#: a marker shape per level, so that levels whose points fall on each other stay apart
+_SYMBOLS = {"nvlink": "circle", "leaf": "square", "spine": "diamond"}
+
+
 def wire_figure(points: list[dict]) -> go.Figure:
-    """Simulated against measured wire bytes per level and point (MB per step)."""
+    """Simulated against measured wire bytes per level and point (MiB per step), one
+    colour per level; log axes when the values span more than 10x."""
     fig = go.Figure()
-    top = 0.0
+    values: list[float] = []
     for level in ("nvlink", "leaf", "spine"):
         sel = [(p, p["wire_bytes_by_level"][level]) for p in points if level in p.get("wire_bytes_by_level", {})]
         if not sel:
             continue
-        xs = [w["measured"] / 1e6 for _, w in sel]
-        ys = [w["simulated"] / 1e6 for _, w in sel]
-        top = max(top, *xs, *ys)
+        xs = [w["measured"] / MiB for _, w in sel]
+        ys = [w["simulated"] / MiB for _, w in sel]
+        values += xs + ys
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=level, text=[_label(p) for p, _ in sel],
-                                 hovertemplate="%{text}<br>measured %{x:.2f} MB<br>simulated %{y:.2f} MB"))
-    fig.add_trace(go.Scatter(x=[0, top * 1.05], y=[0, top * 1.05], mode="lines", name="identity",
-                             line={"dash": "dash", "color": "#888"}))
-    fig.update_layout(title="Wire bytes per step and level: simulated network vs kernel counters", height=480,
-                      xaxis_title="measured MB", yaxis_title="simulated MB")
-    return fig
+                                 marker={"size": 9, "color": LEVEL_COLORS[level], "symbol": _SYMBOLS[level]},
+                                 hovertemplate=f"%{{text}}<br>{level}<br>measured %{{x:.2f}} MiB<br>"
+                                               "simulated %{y:.2f} MiB<extra></extra>"))
+    if values:
+        ends = [min(values) / 1.1, max(values) * 1.1] if spans_decade(values) else [0, max(values) * 1.05]
+        fig.add_trace(go.Scatter(x=ends, y=ends, mode="lines", name="identity (simulated = measured)",
+                                 line={"dash": "dash", "color": "#888"}, hoverinfo="skip"))
+    fig.update_xaxes(value_axis("measured MiB per step", values))
+    fig.update_yaxes(value_axis("simulated MiB per step", values))
+    return legend_below(fig, "Wire bytes per step and level: simulated network vs kernel counters", 540)
 
 
 def utilization_figure(points: list[dict]) -> go.Figure:
-    """Link utilisation per level, measured and simulated, per point."""
+    """Link utilisation per level (%), measured (solid) and simulated (hatched) in the
+    level's colour, one group of bars per point."""
     fig = go.Figure()
     labels = [_label(p) for p in points]
     for level in ("nvlink", "leaf", "spine"):
-        for side, dash in (("measured", None), ("simulated", "dot")):
-            ys = [p.get("utilization_by_level", {}).get(level, {}).get(side) for p in points]
-            if any(y is not None for y in ys):
-                fig.add_trace(go.Bar(x=labels, y=[100 * y if y is not None else None for y in ys],
-                                     name=f"{level} {side}", marker_pattern_shape="/" if dash else ""))
-    fig.update_layout(title="Link utilisation per level (wire bytes / (capacity x step time)), %", barmode="group",
-                      height=520, yaxis_title="%")
-    return fig
+        for side in ("measured", "simulated"):
+            xs = [p.get("utilization_by_level", {}).get(level, {}).get(side) for p in points]
+            if all(x is None for x in xs):
+                continue
+            fig.add_trace(go.Bar(y=labels, x=[100 * x if x is not None else None for x in xs], orientation="h",
+                                 name=f"{level} {side}", marker_color=LEVEL_COLORS[level],
+                                 marker_pattern_shape="/" if side == "simulated" else "", customdata=labels,
+                                 hovertemplate=f"%{{customdata}}<br>{level} {side}: %{{x:.0f}}%<extra></extra>"))
+    fig.update_xaxes(title="% of the level's capacity", rangemode="tozero")
+    fig.update_yaxes(autorange="reversed", **category_ticks(labels))
+    return legend_below(fig, "Link utilisation per level: wire bytes / (capacity x step time)", 200 + 56 * len(points),
+                        barmode="group", bargap=0.3)
 
 
 def write_emulated_report(result: dict, output: str | Path) -> Path:
@@ -102,15 +136,19 @@ def write_emulated_report(result: dict, output: str | Path) -> Path:
             "measured) / measured of the median step. Wire bytes: measured from the kernel's counters of every "
             "link, simulated from the flow model with the profile's protocol overhead, both summed over the "
             "directed links of a level. Network share: the measured time of the stages that are collectives. "
-            "Speedups: time of a / time of b for every two points one knob apart.")
+            "Speedups: time of a / time of b for every two points one knob apart.\n\n" + sources_note(result)
+            + " Times in milliseconds everywhere, wire bytes in MiB (2^20 bytes); an axis marked \"log scale\" is "
+            "logarithmic because its values span more than 10x. Stages have the colours of every testbed report, "
+            "link levels one colour each (simulated hatched).")
     sections = [
         ("Result against the goals", table_html(["figure", "value", "goal", ""], head)),
-        ("Figures", figures_html([scatter_figure(points), stage_error_figure(points), wire_figure(points),
-                                  utilization_figure(points)])),
+        ("Figures", figures_html([scatter_figure(points), stage_error_figure(points), stage_time_figure(points),
+                                  wire_figure(points), utilization_figure(points)])),
         ("Points", table_html(["point", "measured ms", "simulated ms", "error", "network share", "fitted share",
                                "wire bytes error by level", "spread", "why (where the point misses)", "real runs",
-                               "simulated run"], rows)),
-        ("Stage times, measured / simulated (ms per step, mean over ranks)", table_html(["point"] + stages, stage_rows)),
+                               "simulated run"], rows, dense=True)),
+        ("Stage times, measured / simulated (ms per step, mean over ranks)",
+         table_html(["point"] + stages, stage_rows, dense=True)),
         ("Link utilisation per level, measured / simulated", table_html(["point"] + list(LEVELS[:3]), util_rows)),
         ("Speedups, one knob apart (time of a / time of b)",
          table_html(["knob", "a", "b", "measured", "simulated", "error pp", "same direction", ""], pair_rows)),

@@ -2,7 +2,8 @@
 
 Every number on the page comes from the result the experiment passes in, which names
 the run folders of each point (measured: a real run; simulated: the simulator replaying
-that run's routing with the named profile). Times in milliseconds.
+that run's routing with the named profile). Times in milliseconds everywhere; stage
+colours are the ones of every testbed report (``testbed.html_page.STAGE_COLORS``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,23 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from testbed.html_page import figures_html, table_html, write_page
+from testbed.html_page import (
+    category_ticks,
+    figures_html,
+    legend_below,
+    series_color,
+    shorten,
+    spans_decade,
+    stage_color,
+    table_html,
+    value_axis,
+    write_page,
+)
 from testbed.profile import load_profile
 from testbed.stages import STAGES
+
+#: where the simulated side's routing comes from, in every validation report
+ROUTING_SOURCE = "the simulator replays each real run's routing (its routing.npz), so both sides route the same tokens"
 
 #: what a large error in a stage usually means, for the reader of a missed point
 WHY = {
@@ -47,31 +62,64 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
 
+def _series(p: dict) -> str:
+    """The series a point is drawn in: its cluster shape (emulated grid) or rank count."""
+    if p.get("cluster"):
+        return f"{p['cluster']} ({p['world']} ranks)"
+    return f"{p['world']} ranks"
+
+
 def scatter_figure(points: list[dict]) -> go.Figure:
+    """Simulated against measured median step time (ms), one colour per series, with the
+    identity line; log axes when the times span more than 10x."""
     fig = go.Figure()
-    for world in sorted({p["world"] for p in points}):
-        sel = [p for p in points if p["world"] == world]
+    for i, name in enumerate(dict.fromkeys(_series(p) for p in sorted(points, key=lambda p: p["world"]))):
+        sel = [p for p in points if _series(p) == name]
         fig.add_trace(go.Scatter(
             x=[p["measured_step_s"] * 1e3 for p in sel], y=[p["simulated_step_s"] * 1e3 for p in sel],
-            mode="markers", name=f"{world} ranks", marker={"size": 10},
-            text=[_label(p) for p in sel], hovertemplate="%{text}<br>measured %{x:.1f} ms<br>simulated %{y:.1f} ms"))
-    top = max(max(p["measured_step_s"], p["simulated_step_s"]) for p in points) * 1e3 * 1.1
-    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="identity",
-                             line={"dash": "dash", "color": "#888"}))
-    fig.update_layout(title="Simulated vs measured step time (median of measured steps)", height=520,
-                      xaxis_title="measured ms", yaxis_title="simulated ms")
-    return fig
+            mode="markers", name=name, marker={"size": 10, "color": series_color(i)},
+            text=[_label(p) for p in sel],
+            hovertemplate="%{text}<br>measured %{x:.1f} ms<br>simulated %{y:.1f} ms<extra></extra>"))
+    values = [p[k] * 1e3 for p in points for k in ("measured_step_s", "simulated_step_s")]
+    log = spans_decade(values)
+    ends = [min(values) / 1.1, max(values) * 1.1] if log else [0, max(values) * 1.1]
+    fig.add_trace(go.Scatter(x=ends, y=ends, mode="lines", name="identity (simulated = measured)",
+                             line={"dash": "dash", "color": "#888"}, hoverinfo="skip"))
+    fig.update_xaxes(value_axis("measured ms", values))
+    fig.update_yaxes(value_axis("simulated ms", values))
+    return legend_below(fig, "Simulated vs measured step time (median of measured steps)", 560)
 
 
 def stage_error_figure(points: list[dict]) -> go.Figure:
     """Signed error (simulated - measured) per stage and point, ms."""
     stages = [s for s in STAGES if any(s in p["stages"] for p in points)]
     z = [[p["stages"].get(s, {}).get("error_s", 0.0) * 1e3 for s in stages] for p in points]
-    fig = go.Figure(go.Heatmap(z=z, x=stages, y=[_label(p) for p in points], colorscale="RdBu", zmid=0,
-                               colorbar={"title": "ms"}))
-    fig.update_layout(title="Error by stage: simulated minus measured (ms per step, mean over ranks)",
-                      height=max(360, 26 * len(points) + 160))
-    return fig
+    labels = [_label(p) for p in points]
+    fig = go.Figure(go.Heatmap(z=z, x=stages, y=labels, colorscale="RdBu", zmid=0, colorbar={"title": "ms"},
+                               hovertemplate="%{y}<br>%{x}: %{z:+.2f} ms<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", **category_ticks(labels))
+    return legend_below(fig, "Error by stage: simulated minus measured", max(380, 26 * len(points) + 200),
+                        subtitle="ms per step, mean over ranks; blue: simulated longer, red: simulated shorter")
+
+
+def stage_time_figure(points: list[dict]) -> go.Figure:
+    """Per point, the measured and the simulated step split by stage (ms), stacked in
+    step order in the colours of every report; log axis when the totals span > 10x."""
+    stages = [s for s in STAGES if any(s in p["stages"] for p in points)]
+    rows = [(f"{_label(p)} · {side}", p, side) for p in points for side in ("measured", "simulated")]
+    labels = [r[0] for r in rows]
+    fig = go.Figure()
+    for stage in stages:
+        x = [1e3 * p["stages"].get(stage, {}).get(f"{side}_s", 0.0) for _, p, side in rows]
+        fig.add_bar(name=stage, y=labels, x=x, orientation="h", marker_color=stage_color(stage), customdata=labels,
+                    hovertemplate=f"%{{customdata}}<br>{stage}: %{{x:.2f}} ms<extra></extra>")
+    totals = [sum(1e3 * st.get(f"{side}_s", 0.0) for st in p["stages"].values()) for _, p, side in rows]
+    fig.update_xaxes(value_axis("ms per step (mean over ranks)", totals))
+    # the point's label once, on its measured bar; its simulated bar follows right below
+    texts = [f"{shorten(_label(p))} · measured" if side == "measured" else "simulated" for _, p, side in rows]
+    fig.update_yaxes(autorange="reversed", **category_ticks(labels, texts))
+    return legend_below(fig, "Stage times per point", 220 + 22 * len(rows), barmode="stack", bargap=0.25,
+                        subtitle="each point's measured step, then its simulated step, split by stage")
 
 
 def _label(p: dict) -> str:
@@ -92,13 +140,33 @@ def miss_reason(p: dict, threshold: float) -> str:
             f"({_ms(st['simulated_s'])} vs {_ms(st['measured_s'])}): {WHY.get(p['worst_stage'], '')}")
 
 
+def calibrated_here(result: dict) -> str | None:
+    """Whether the profile was calibrated on this machine, in words; None when the result
+    does not say."""
+    here = result.get("profile_calibrated_here")
+    if here is None:
+        return None
+    return "calibrated on this machine" if here else "not calibrated on this machine"
+
+
+def sources_note(result: dict) -> str:
+    """The page note's sentence on the machine profile and the routing source."""
+    here = calibrated_here(result)
+    name = load_profile(result["profile"]).name
+    return (f"Machine profile: {name}" + (f" ({here})" if here else "") + f". Routing source: {ROUTING_SOURCE}.")
+
+
 def profile_section(result: dict) -> str:
-    """The profile the simulator used, how it was made (calibration shapes included), its
-    fitted library latency, and the shapes the validation points used."""
+    """The profile the simulator used, how it was made (calibration shapes included),
+    whether it was calibrated on this machine, the routing source, its fitted library
+    latency, and the shapes the validation points used."""
     profile = load_profile(result["profile"])
     prof_rows = [["name", profile.name], ["machine", profile.machine], ["date", profile.date],
                  ["versions", ", ".join(f"{k} {v}" for k, v in profile.versions.items())],
                  ["how it was made (calibration shapes included)", profile.source], ["file", result["profile"]]]
+    if calibrated_here(result) is not None:
+        prof_rows.append(["calibrated on this machine", "yes" if result["profile_calibrated_here"] else "no"])
+    prof_rows.append(["routing source", ROUTING_SOURCE])
     measured = [[r["world"], f"{r['call_us']:.0f}", f"{r['step_us']:.0f}"] for r in profile.measured.collective_latency]
     shapes = sorted({p["shape"] for p in result["points"] if p.get("shape")})
     return (table_html(["", ""], prof_rows)
@@ -130,10 +198,12 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
             "with the profile below (simulated); error = (simulated - measured) / measured of the median step "
             "time. The profile was calibrated in a separate run (testbed calibrate); none of these points was "
             "used to fit it. Speedup pairs whose measured times differ by less than the tie threshold are shown "
-            "but not scored.")
+            "but not scored.\n\n" + sources_note(result) + " Times in milliseconds everywhere; an axis marked "
+            "\"log scale\" is logarithmic because its values span more than 10x. Stages have the colours of every "
+            "testbed report.")
     sections = [
         ("Result against the goals", table_html(["figure", "value", "goal"], head)),
-        ("Figures", figures_html([scatter_figure(points), stage_error_figure(points)])),
+        ("Figures", figures_html([scatter_figure(points), stage_error_figure(points), stage_time_figure(points)])),
         ("Points", table_html(["point", "measured ms", "simulated ms", "error", "stage most off",
                                "why (where the point misses)", "real run", "simulated run"], rows)),
         ("Speedups (time of b / time of a)", table_html(["a", "b", "ranks", "measured", "simulated", "same order",

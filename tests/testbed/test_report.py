@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import re
+import shutil
 
 import plotly.offline
 import pytest
@@ -60,13 +61,13 @@ def test_report_is_offline_and_names_every_run(run_dirs, tmp_path):
     assert not re.search(r"<script[^>]*\ssrc=", page)  # no script loaded from anywhere
     assert "<h1>A &lt;test&gt;</h1>" in page
     table = page[page.index("<table>"):page.index("</table>")]
-    for d in run_dirs:
+    for d in run_dirs[:2]:
         assert html.escape(str(d)) in table
+    assert html.escape(str(run_dirs[2])) not in page  # the stopped run is skipped, not shown
     assert "12.500 ms" in table and "21.500 ms" in table  # medians of the measured steps
     assert "3.00 MiB" in table and "5.00%" in table and "75.00%" in table
-    assert "sim · alltoall · allreduce" in table
-    assert "sim · allgather · allreduce" in table
-    assert "sim · alltoall · two_stage (incomplete)" in table
+    assert "sim · alltoall" in table and "sim · allgather" in table  # two_stage went with the stopped run
+    assert "incomplete" not in table
     assert "median of measured steps" in page and "mean per measured step, all ranks" in page
 
 
@@ -83,12 +84,34 @@ def test_run_label_shows_only_differing_fields():
     assert run_label([a, a], ["sim", "sim"]) == ["sim #1", "sim #2"]
 
 
-def test_not_a_run_folder_is_a_scenario_error(run_dirs, tmp_path):
+def test_folders_that_are_not_complete_runs_are_skipped_with_one_line_each(run_dirs, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "summary.json").write_text("{not json")
+    cut = tmp_path / "cut"
+    shutil.copytree(run_dirs[1], cut)
+    (cut / "steps.jsonl").write_text('{"step": 0, "step_ti')
+    out = write_comparison_report([run_dirs[0], empty, run_dirs[2], garbled, cut], tmp_path / "r.html")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"testbed report: skipping {empty}: not a run folder (no summary.json)",
+                   f"testbed report: skipping {run_dirs[2]}: incomplete run (its summary says complete: false)",
+                   err[2], err[3]]
+    assert err[2].startswith(f"testbed report: skipping {garbled}: unreadable run folder: ")
+    assert err[3].startswith(f"testbed report: skipping {cut}: unreadable run folder: ")
+    page = out.read_text(encoding="utf-8")
+    assert html.escape(str(run_dirs[0])) in page and "Comparison of 1 run(s)" in page
+    assert html.escape(str(empty)) not in page and html.escape(str(garbled)) not in page
+
+
+def test_no_complete_run_is_a_scenario_error(run_dirs, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ScenarioError) as e:
-        write_comparison_report([run_dirs[0], empty], tmp_path / "r.html")
-    assert e.value.field == "RUN_DIR" and "not a run folder (no summary.json)" in str(e.value)
+        write_comparison_report([empty, run_dirs[2]], tmp_path / "r.html")
+    assert e.value.field == "RUN_DIR" and e.value.reason == "no complete run among the 2 given"
+    assert len(capsys.readouterr().err.splitlines()) == 2  # one notice per skipped folder
     assert not (tmp_path / "r.html").exists()
 
 
@@ -96,4 +119,7 @@ def test_cli_report(run_dirs, tmp_path, capsys):
     assert cli_main(["report", str(run_dirs[0]), "-o", str(tmp_path / "c.html")]) == 0
     assert (tmp_path / "c.html").is_file()
     assert cli_main(["report", str(tmp_path / "missing"), "-o", str(tmp_path / "d.html")]) == 2
-    assert "RUN_DIR" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == f"testbed report: skipping {tmp_path / 'missing'}: not a run folder (no summary.json)"
+    assert len(err) == 2 and "RUN_DIR" in err[1] and "no complete run among the 1 given" in err[1]
+    assert not (tmp_path / "d.html").exists()
