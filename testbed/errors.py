@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 
 class ScenarioError(ValueError):
     """A scenario field holds a value the testbed cannot run.
@@ -25,12 +29,14 @@ def run_as_command(prog: str, work, stopped: str) -> int:
     """Run ``work()`` for a command-line tool and return its exit code.
 
     A ``ScenarioError`` or ``RunError`` prints ``PROG: error: ...`` as one line and
-    gives 2; Ctrl-C prints ``PROG: <stopped>`` and gives 130; output into a closed pipe
+    gives 2; Ctrl-C (or SIGTERM, which stops the work the same way, so that a stopped run
+    is marked as such) prints ``PROG: <stopped>`` and gives 130; output into a closed pipe
     (``testbed run ... | head``) prints one line and gives 141, as a shell reports SIGPIPE.
     """
-    import os
-    import sys
+    def stop(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
 
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         return work()
     except (ScenarioError, RunError) as e:
@@ -44,3 +50,5 @@ def run_as_command(prog: str, work, stopped: str) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"{prog}: output pipe closed by its reader", file=sys.stderr)
         return 141
+    finally:
+        signal.signal(signal.SIGTERM, previous)
