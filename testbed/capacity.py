@@ -26,4 +26,8 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: 
 def kept_counts(routed: np.ndarray, capacity: int | None) -> np.ndarray:
     """Token slots kept per (rank, expert) when each rank caps every expert at ``capacity``."""
     routed = np.asarray(routed)
-    return routed.copy() if capacity is None else np.minimum(routed, capacity)
+    if capacity is None:
+        return routed.copy()
+    if np.issubdtype(routed.dtype, np.integer):  # a capacity past the dtype keeps every slot anyway
+        capacity = min(int(capacity), int(np.iinfo(routed.dtype).max))
+    return np.minimum(routed, capacity)

@@ -23,6 +23,9 @@ from testbed.topology import Layout
 from testbed.units import parse_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: the largest integer a field may hold: every size stays exact in a float, and products of
+#: a few of them stay finite (what would not fit this machine is refused by testbed.guards)
+MAX_INT = 2**53
 TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical")
 EXPERT_SYNC_STRATEGIES = ("allreduce", "two_stage")
 PLACEMENTS = ("topology", "strided", "random")
@@ -383,6 +386,8 @@ def _coerce(path: str, meta: dict, value: Any) -> Any:
             value = parse_bytes(value)
         except ValueError as e:
             raise ScenarioError(path, value, str(e)) from None
+        if value > MAX_INT:
+            raise ScenarioError(path, value, f"too large: at most {MAX_INT:,} bytes (2**53)")
     elif kind is bool:
         if not isinstance(value, bool):
             raise ScenarioError(path, value, "expected true or false")
@@ -390,6 +395,8 @@ def _coerce(path: str, meta: dict, value: Any) -> Any:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
             raise ScenarioError(path, value, "expected an integer")
         value = int(value)
+        if abs(value) > MAX_INT:
+            raise ScenarioError(path, value, f"too large: at most {MAX_INT:,} (2**53)")
     elif kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ScenarioError(path, value, "expected a number")

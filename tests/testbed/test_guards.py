@@ -88,7 +88,7 @@ FIELDS = ["model.hidden_size", "model.ffn_hidden_size", "model.num_layers", "mod
           "sim.network_model", "heat.alpha", "nosuch.field", "model.nosuchkey"]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(FIELDS), SMALL_OR_WILD), max_size=4),
        st.sampled_from([[], ["--json"], ["--backend", "nosuch"], ["--set", "garbage"], ["--resume", "/nowhere"]]))
 def test_fuzzed_scenarios_run_or_are_refused_in_one_line(tmp_path_factory, capsys, sets, extra):
