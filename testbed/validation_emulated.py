@@ -18,9 +18,7 @@ from testbed.html_page import (
     category_ticks,
     figures_html,
     legend_below,
-    spans_decade,
     table_html,
-    value_axis,
     write_page,
 )
 from testbed.profile import load_profile
@@ -29,6 +27,7 @@ from testbed.topology import LEVELS
 from testbed.validation_report import (
     _label,
     _ms,
+    identity_axes,
     miss_reason,
     profile_section,
     scatter_figure,
@@ -75,12 +74,7 @@ def wire_figure(points: list[dict]) -> go.Figure:
                                  marker={"size": 9, "color": LEVEL_COLORS[level], "symbol": _SYMBOLS[level]},
                                  hovertemplate=f"%{{text}}<br>{level}<br>measured %{{x:.2f}} MiB<br>"
                                                "simulated %{y:.2f} MiB<extra></extra>"))
-    if values:
-        ends = [min(values) / 1.1, max(values) * 1.1] if spans_decade(values) else [0, max(values) * 1.05]
-        fig.add_trace(go.Scatter(x=ends, y=ends, mode="lines", name="identity (simulated = measured)",
-                                 line={"dash": "dash", "color": "#888"}, hoverinfo="skip"))
-    fig.update_xaxes(value_axis("measured MiB per step", values))
-    fig.update_yaxes(value_axis("simulated MiB per step", values))
+    identity_axes(fig, values, "MiB per step")
     return legend_below(fig, "Wire bytes per step and level: simulated network vs kernel counters", 540)
 
 

@@ -81,13 +81,20 @@ def scatter_figure(points: list[dict]) -> go.Figure:
             text=[_label(p) for p in sel],
             hovertemplate="%{text}<br>measured %{x:.1f} ms<br>simulated %{y:.1f} ms<extra></extra>"))
     values = [p[k] * 1e3 for p in points for k in ("measured_step_s", "simulated_step_s")]
-    log = spans_decade(values)
-    ends = [min(values) / 1.1, max(values) * 1.1] if log else [0, max(values) * 1.1]
+    identity_axes(fig, values, "ms")
+    return legend_below(fig, "Simulated vs measured step time (median of measured steps)", 560)
+
+
+def identity_axes(fig: go.Figure, values: list[float], unit: str) -> None:
+    """The identity line (simulated = measured) over ``values``, and both axes in ``unit``
+    (log when the values span more than 10x)."""
+    if not values:
+        return
+    ends = [min(values) / 1.1, max(values) * 1.1] if spans_decade(values) else [0, max(values) * 1.1]
     fig.add_trace(go.Scatter(x=ends, y=ends, mode="lines", name="identity (simulated = measured)",
                              line={"dash": "dash", "color": "#888"}, hoverinfo="skip"))
-    fig.update_xaxes(value_axis("measured ms", values))
-    fig.update_yaxes(value_axis("simulated ms", values))
-    return legend_below(fig, "Simulated vs measured step time (median of measured steps)", 560)
+    fig.update_xaxes(value_axis(f"measured {unit}", values))
+    fig.update_yaxes(value_axis(f"simulated {unit}", values))
 
 
 def stage_error_figure(points: list[dict]) -> go.Figure:
