@@ -13,7 +13,7 @@ import statistics
 import time
 
 from real.checkpoint import checkpoint_dir, resumable_steps
-from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env
+from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env, usable_cores
 from real.netem import check_privileges
 from real.worker import stream_of
 from testbed.backend import RunResult
@@ -51,7 +51,7 @@ def check_ranks_per_core(scenario: Scenario, force: bool) -> None:
     past it every rank mostly waits for a core, and a run measures the scheduler."""
     if force or pick_device(scenario) == "cuda" or torchrun_env() is not None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(usable_cores())
     limit = scenario.real.max_ranks_per_core
     if scenario.world_size > limit * cores:
         raise ScenarioError("real.max_ranks_per_core", limit,

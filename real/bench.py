@@ -9,7 +9,7 @@ emulated cluster each in its network namespace) and measure, all at the same tim
   software cost (per call, per algorithm step) and the links' latency.
 - ``link_rate`` (loopback only): ranks in pairs exchange large messages both ways at
   once, so every "link" of the loopback carries traffic: bytes per second per direction.
-- ``contended_ffn``: an expert FFN forward + backward on every rank at once (compute
+- ``ffn_seconds`` on every rank at once: an expert FFN forward + backward (compute
   contention for cores and memory).
 
 Nothing here fits anything; ``real.calibrate`` does.
@@ -32,13 +32,12 @@ import torch.multiprocessing as mp
 
 from real.comm import Comm
 from real.launch import pin_to_core
-from real.netem import enter_namespace
+from real.netem import join_rank_network
 from testbed.collectives import ByteLedger
 from testbed.errors import RunError
 from testbed.scenario import Scenario
 from testbed.topology import Layout
 
-KINDS = ("all_to_all_v", "all_gather", "reduce_scatter", "all_reduce", "p2p")
 TINY_BYTES = 64  # per member: the software cost, not the bytes
 RATE_BYTES = 8 * 2**20  # per direction of a pair in the loopback link-rate benchmark
 
@@ -130,9 +129,7 @@ def ffn_seconds(tokens: int, hidden: int, ffn: int, reps: int = 5) -> float:
 def _rank_main(rank: int, world: int, store_path: str, q, reps: int, shape: tuple[int, int, int],
                netns: tuple[str, str] | None, loopback: bool):
     try:
-        if netns is not None:
-            enter_namespace(netns[0])
-            os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
+        join_rank_network(netns)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         pin_to_core(rank)  # as the real backend's ranks run
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
@@ -159,7 +156,7 @@ def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=Non
     with tempfile.TemporaryDirectory(prefix="testbed-calibrate-") as tmp:
         procs = [ctx.Process(target=_rank_main, args=(
             r, world, str(Path(tmp) / "store"), q, reps, shape,
-            (fabric.rank_namespace(r), fabric.rank_interface(r)) if fabric is not None else None, fabric is None))
+            fabric.rank_network(r) if fabric is not None else None, fabric is None))
             for r in range(world)]
         for p in procs:
             p.start()

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from real.bench import ffn_seconds, measure_world
+from real.launch import usable_cores
 from real.netem import EmulatedFabric
 from testbed.collectives import algorithm_steps
 from testbed.errors import ScenarioError
@@ -160,11 +161,6 @@ def _copy_table() -> tuple[list[list[float]], float]:
         dst.copy_(src)
     latency_us = (time.perf_counter() - t0) / 200 * 1e6
     return table, latency_us
-
-
-def _cores() -> int:
-    """Cores this process (and the ranks it starts) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _alone(world: int) -> float:
@@ -291,7 +287,7 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
         versions={"torch": torch.__version__, "python": platform.python_version(), "backend": "gloo",
                   "host": platform.node()},
         links=links,
-        compute=replace(base_profile.compute, host_cores=float(_cores()), peak_tflops=PeakTflops(fp32=peak / 1e12,
+        compute=replace(base_profile.compute, host_cores=float(len(usable_cores())), peak_tflops=PeakTflops(fp32=peak / 1e12,
                                                                     bf16=base_profile.compute.peak_tflops.bf16,
                                                                     fp16=base_profile.compute.peak_tflops.fp16),
                         efficiency=Efficiency(grouped=tuple(map(tuple, curve)), loop=tuple(map(tuple, curve)))),

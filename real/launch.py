@@ -27,7 +27,6 @@ import pickle
 import queue as queue_mod
 import signal
 import tempfile
-import threading
 import time
 import traceback
 from contextlib import ExitStack
@@ -39,9 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from real.control import DistControl, GateKeeper, LocalControl, merge_step
-from real.netem import EmulatedFabric, enter_namespace
+from real.netem import EmulatedFabric, join_rank_network
 from real.worker import RankRunner
-from testbed.errors import RunError, ScenarioError
+from testbed.errors import RunError, ScenarioError, signals_stop_work
 from testbed.links import counted_bytes_by_level
 from testbed.profile import load_profile
 from testbed.scenario import Scenario
@@ -58,11 +57,18 @@ def torchrun_env() -> dict[str, str] | None:
     return None
 
 
+def usable_cores() -> list[int]:
+    """The cores this process (and the ranks it starts) may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def pin_to_core(rank: int) -> None:
     """Keep a CPU rank on one core (rank mod cores): ranks that migrate between cores make
     timings vary by 10% from run to run on a small machine. Not done on CUDA."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) > 1:
+    cores = usable_cores()
+    if len(cores) > 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
@@ -83,9 +89,7 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, barrier, devi
     emulated cluster: the rank enters the namespace before it opens any socket, and gloo
     binds to that interface."""
     try:
-        if netns is not None:
-            enter_namespace(netns[0])
-            os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
+        join_rank_network(netns)
         scenario = Scenario.from_dict(scenario_dict)
         world = scenario.world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -133,11 +137,11 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
         fabric = None
         if scenario.real.network == "emulated":
             fabric = stack.enter_context(EmulatedFabric(scenario, load_profile(scenario.cluster.profile)))
-        stack.callback(_stop_on_signals())  # SIGTERM / SIGHUP unwind like Ctrl-C: teardown runs
+        stack.enter_context(signals_stop_work(signal.SIGTERM, signal.SIGHUP))  # unwind like Ctrl-C: teardown runs
         store_path = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_rank_main,
                              args=(r, scenario.to_dict(), store_path, q, barrier, device_kind, debug, run_dir, resume,
-                                   (fabric.rank_namespace(r), fabric.rank_interface(r)) if fabric else None),
+                                   fabric.rank_network(r) if fabric else None),
                              name=f"testbed-rank{r}") for r in range(world)]
         keeper = GateKeeper(barrier, fabric.counters if fabric else None)
         for p in procs:
@@ -151,21 +155,6 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
-
-
-def _stop_on_signals():
-    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in this (main) thread while a run is
-    on, so that an emulated cluster is torn down as on Ctrl-C; returns the undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {}
-
-    def interrupt(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        previous[sig] = signal.signal(sig, interrupt)
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
 
 
 def _silent_death(procs, done, wait_s: float) -> int | None:

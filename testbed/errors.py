@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 
 class ScenarioError(ValueError):
@@ -25,6 +27,26 @@ class RunError(RuntimeError):
     """A run could not complete (a rank died, a trace does not fit the scenario, ...)."""
 
 
+@contextmanager
+def signals_stop_work(*signums: int):
+    """While inside, the given signals (SIGTERM by default) raise KeyboardInterrupt in the
+    main thread, so that work they stop unwinds as on Ctrl-C: a run is marked stopped, an
+    emulated cluster is torn down. Elsewhere than the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signums or (signal.SIGTERM,))}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_as_command(prog: str, work, stopped: str) -> int:
     """Run ``work()`` for a command-line tool and return its exit code.
 
@@ -33,12 +55,9 @@ def run_as_command(prog: str, work, stopped: str) -> int:
     is marked as such) prints ``PROG: <stopped>`` and gives 130; output into a closed pipe
     (``testbed run ... | head``) prints one line and gives 141, as a shell reports SIGPIPE.
     """
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        return work()
+        with signals_stop_work():
+            return work()
     except (ScenarioError, RunError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -50,5 +69,3 @@ def run_as_command(prog: str, work, stopped: str) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"{prog}: output pipe closed by its reader", file=sys.stderr)
         return 141
-    finally:
-        signal.signal(signal.SIGTERM, previous)

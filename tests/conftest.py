@@ -1,5 +1,6 @@
 """Shared fixtures: the repository root and small scenarios."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+#: 2 CPU ranks on one node, EP 2, a tiny model: a real run of a few seconds
+TWO_RANKS = {
+    "model": {"hidden_size": 32, "ffn_hidden_size": 64},
+    "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 1},
+    "parallelism": {"ep_size": 2},
+    "pager": {"page_size_bytes": "4KiB", "gpu_budget_bytes": "24KiB"},
+    "workload": {"tokens_per_rank": 64},
+    "run": {"steps": 3, "warmup_steps": 1},
+}
+
+
+@pytest.fixture
+def two_ranks() -> dict:
+    """The ``TWO_RANKS`` scenario tables (a fresh copy to change)."""
+    return copy.deepcopy(TWO_RANKS)
 
 
 @pytest.fixture

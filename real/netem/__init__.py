@@ -16,8 +16,8 @@ host's namespace.
 
 from real.netem.cleanup import clean, leftovers
 from real.netem.fabric import EmulatedFabric
-from real.netem.nsenter import check_privileges, enter_namespace, privileges_missing
+from real.netem.nsenter import check_privileges, enter_namespace, join_rank_network, privileges_missing
 from real.netem.plan import Egress
 
-__all__ = ["EmulatedFabric", "Egress", "check_privileges", "clean", "enter_namespace", "leftovers",
+__all__ = ["EmulatedFabric", "Egress", "check_privileges", "clean", "enter_namespace", "join_rank_network", "leftovers",
            "privileges_missing"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from testbed.errors import RunError
@@ -60,6 +61,10 @@ class EmulatedFabric:
         """The rank's NIC interface: what GLOO_SOCKET_IFNAME must name."""
         return self.plan.rank_interfaces[rank]
 
+    def rank_network(self, rank: int) -> tuple[str, str]:
+        """(namespace, NIC interface) a rank process joins (``join_rank_network``)."""
+        return self.rank_namespace(rank), self.rank_interface(rank)
+
     def rank_address(self, rank: int) -> str:
         return self.plan.addresses[rank]
 
@@ -85,10 +90,9 @@ class EmulatedFabric:
         try:
             self._make()
         except BaseException:
-            try:
+            # the first error says more; what down() cannot remove stays in the registry for clean()
+            with suppress(RunError):
                 self.down()
-            except RunError:
-                pass  # the first error says more; what is left is in the registry for clean()
             raise
         self.timings["up_s"] = time.perf_counter() - start
         return self

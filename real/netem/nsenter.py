@@ -43,6 +43,14 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
+def join_rank_network(netns: tuple[str, str] | None) -> None:
+    """A rank process of an emulated cluster joins its network: enters its namespace and
+    has gloo bind to its NIC interface (``EmulatedFabric.rank_network``). None: stay put."""
+    if netns is not None:
+        enter_namespace(netns[0])
+        os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
+
+
 def existing_namespaces() -> list[str]:
     """Names of the testbed's namespaces on this machine (``testbed-*`` only), sorted."""
     try:

@@ -26,7 +26,6 @@ thread's ``setns`` leaves the rest of this process where it is).
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue as queue_mod
 import socket
@@ -46,7 +45,7 @@ from testbed.links import counted_bytes_by_level, fabric_blocks, route
 
 from real.comm import all_to_all_p2p
 from real.netem.fabric import EmulatedFabric
-from real.netem.nsenter import enter_namespace
+from real.netem.nsenter import enter_namespace, join_rank_network
 
 PING_ROUNDS = 400
 BULK_BYTES = 4 * 2**20
@@ -176,8 +175,7 @@ def _first_links(cluster, src: int, dst: int, level: str) -> tuple[tuple[str, in
 # ---- collectives on every rank --------------------------------------------------------------
 def _rank_main(rank: int, world: int, store: str, q, barrier, netns: tuple[str, str], nbytes: int, peer: int):
     try:
-        enter_namespace(netns[0])
-        os.environ["GLOO_SOCKET_IFNAME"] = netns[1]
+        join_rank_network(netns)
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
@@ -227,7 +225,7 @@ def collectives(fabric: EmulatedFabric, world: int, peer: int, nbytes: int = COL
     snaps = []
     with tempfile.TemporaryDirectory(prefix="testbed-probe-") as tmp:
         procs = [ctx.Process(target=_rank_main, args=(r, world, str(Path(tmp) / "store"), q, barrier,
-                                                       (fabric.rank_namespace(r), fabric.rank_interface(r)), nbytes,
+                                                       fabric.rank_network(r), nbytes,
                                                        peer))
                  for r in range(world)]
         for p in procs:

@@ -13,18 +13,8 @@ from testbed.errors import ScenarioError
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
 
-SMALL = {
-    "model": {"hidden_size": 32, "ffn_hidden_size": 64},
-    "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 1},
-    "parallelism": {"ep_size": 2},
-    "pager": {"page_size_bytes": "4KiB", "gpu_budget_bytes": "24KiB"},
-    "workload": {"tokens_per_rank": 64},
-    "run": {"steps": 3, "warmup_steps": 1},
-}
-
-
-def test_torchrun_runs_the_same_entry_point(tmp_path, repo_root):
-    overrides = [f"{section}.{k}={json.dumps(v)}" for section, kv in SMALL.items() for k, v in kv.items()]
+def test_torchrun_runs_the_same_entry_point(tmp_path, repo_root, two_ranks):
+    overrides = [f"{section}.{k}={json.dumps(v)}" for section, kv in two_ranks.items() for k, v in kv.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "testbed.cli", "run", "--backend", "real", "--json", "--no-progress",
            "--set", f"run.output_dir={tmp_path / 'torchrun'}"]
@@ -38,18 +28,18 @@ def test_torchrun_runs_the_same_entry_point(tmp_path, repo_root):
     assert launched["launcher"] == "torchrun"
     runs = [p for p in (tmp_path / "torchrun").iterdir() if p.is_dir()]
     assert len(runs) == 1 and len((runs[0] / "steps.jsonl").read_text().splitlines()) == 3
-    spawn = Scenario.from_dict({**SMALL, "run": {**SMALL["run"], "output_dir": str(tmp_path / "spawn")}})
+    spawn = Scenario.from_dict({**two_ranks, "run": {**two_ranks["run"], "output_dir": str(tmp_path / "spawn")}})
     spawned = run_scenario(spawn, "real")
     assert spawned["launcher"] == "spawn"
     assert spawned["bytes_by_stage"] == launched["bytes_by_stage"]
     assert spawned["loss_last"] == launched["loss_last"]
 
 
-def test_torchrun_world_size_must_match_the_cluster(monkeypatch, tmp_path):
+def test_torchrun_world_size_must_match_the_cluster(monkeypatch, tmp_path, two_ranks):
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
-    s = Scenario.from_dict({**SMALL, "run": {**SMALL["run"], "output_dir": str(tmp_path)}})
+    s = Scenario.from_dict({**two_ranks, "run": {**two_ranks["run"], "output_dir": str(tmp_path)}})
     with pytest.raises(ScenarioError, match="cluster.gpus_per_node .*WORLD_SIZE = 3.* 2 GPUs"):
         RealBackend().run(s)
     monkeypatch.setenv("RANK", "1")
@@ -61,7 +51,7 @@ def test_torchrun_world_size_must_match_the_cluster(monkeypatch, tmp_path):
     ("overlap", {"sync_with_backward": True}, "overlap.sync_with_backward"),
     ("faults", [{"at_step": 1, "kind": "gpu_lost", "target": "gpu:1"}], "faults[0].kind"),
 ])
-def test_simulated_only_options_fail_fast(section, fields, name, tmp_path):
-    s = Scenario.from_dict({**SMALL, section: fields})
+def test_simulated_only_options_fail_fast(section, fields, name, tmp_path, two_ranks):
+    s = Scenario.from_dict({**two_ranks, section: fields})
     with pytest.raises(ScenarioError, match=rf"{name.replace('[', '.').replace(']', '.')} .*simulated only"):
         RealBackend().run(s)

@@ -16,16 +16,6 @@ from testbed.runner import run_scenario
 from testbed.runs import is_complete, latest_run, list_runs, read_steps
 from testbed.scenario import Scenario
 
-SMALL_REAL = {
-    "model": {"hidden_size": 32, "ffn_hidden_size": 64},
-    "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 1},
-    "parallelism": {"ep_size": 2},
-    "pager": {"page_size_bytes": "4KiB", "gpu_budget_bytes": "24KiB"},
-    "workload": {"tokens_per_rank": 64},
-    "run": {"steps": 3, "warmup_steps": 1},
-}
-
-
 def scenario(tmp_path, data=None, **changes) -> Scenario:
     data = json.loads(json.dumps(data or {"run": {"steps": 3, "warmup_steps": 1}}))
     data.setdefault("run", {})["output_dir"] = str(tmp_path / "runs")
@@ -81,10 +71,10 @@ def test_a_stopped_rerun_never_replaces_the_complete_run(tmp_path, monkeypatch):
     assert rows[stopped.name]["complete"] is False and rows[stopped.name]["steps"] == 2
 
 
-def test_refused_runs_leave_no_folder(tmp_path):
+def test_refused_runs_leave_no_folder(tmp_path, two_ranks):
     out = tmp_path / "runs"
     with pytest.raises(ScenarioError, match="simulated only"):  # refused by the backend's check
-        run_scenario(scenario(tmp_path, SMALL_REAL, overlap={"micro_batches": 2}), "real")
+        run_scenario(scenario(tmp_path, two_ranks, overlap={"micro_batches": 2}), "real")
     with pytest.raises(ScenarioError, match="cluster.profile"):  # refused when the profile is looked up
         run_scenario(scenario(tmp_path, cluster={"profile": "nosuchprofile"}), "sim")
     with pytest.raises(ScenarioError, match="workload.trace"):  # refused while it runs, before its first step
@@ -92,8 +82,8 @@ def test_refused_runs_leave_no_folder(tmp_path):
     assert not out.exists() or not [p for p in out.iterdir() if p.is_dir()]
 
 
-def test_a_refused_resume_changes_nothing_in_the_run_it_refused(tmp_path):
-    s = scenario(tmp_path, SMALL_REAL)
+def test_a_refused_resume_changes_nothing_in_the_run_it_refused(tmp_path, two_ranks):
+    s = scenario(tmp_path, two_ranks)
     done = run_scenario(s, "real")  # a complete run without checkpoints
     d = Path(done["run_dir"])
     # every summary says where its numbers come from
