@@ -20,7 +20,7 @@ import threading
 
 import torch.distributed as dist
 
-from testbed.results import StepRecord
+from testbed.results import StepRecord, sum_counts
 from testbed.stages import STAGES
 
 
@@ -57,6 +57,7 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
         loss=sum(g["loss"] for g in gathered) / n,
         aux_loss=sum(g["aux"] for g in gathered) / n,
         expert_states=lead["states"],
+        moves_by_reason=sum_counts([g["moves_by_reason"] for g in gathered]) or {},
         wire_bytes_by_level=wire_bytes_by_level,
     )
 

@@ -29,7 +29,7 @@ from real.layer import seed_of
 from real.paged_store import PagedExpertStore
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
-from testbed.page_moves import PageMoves, page_move_count
+from testbed.page_moves import PageMoves, add_reason_counts, page_move_count
 from testbed.router import init_router_params
 from testbed.scenario import Scenario
 from testbed.topology import Layout
@@ -96,6 +96,7 @@ class RankState:
         self.grads: dict[int, torch.Tensor] = {}  # this step's expert weight gradients
         self.page_bytes = 0
         self.page_moves = 0
+        self.moves_by_reason: dict[str, int] = {}
         self.stall_s = 0.0
 
     def begin_step(self, step: int) -> None:
@@ -103,6 +104,7 @@ class RankState:
         self.controller.begin_step(step)
         self.grads.clear()
         self.page_moves, self.stall_s = 0, 0.0
+        self.moves_by_reason = {}
         self.ledger = ByteLedger(self.layout)
         self.comm.ledger = self.ledger
 
@@ -161,6 +163,7 @@ class RankState:
         nbytes = self.store.execute(moves, incoming)
         self.ledger.add_pcie("paging", nbytes)
         self.page_moves += page_move_count(moves)
+        add_reason_counts(self.moves_by_reason, moves)
         if forward and not self.store.cuda:  # CPU copies are synchronous: compute waited for them
             self.stall_s += time.perf_counter() - t0
 

@@ -144,6 +144,7 @@ class RankRunner:
         local = {
             "step_time_s": step_time, "stage_time_s": totals, "by_stage": st.ledger.by_stage,
             "by_level": st.ledger.level_dict(), "peak": int(peak), "page_moves": st.page_moves,
+            "moves_by_reason": dict(st.moves_by_reason),
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
         }

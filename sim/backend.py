@@ -20,7 +20,7 @@ from testbed.backend import RunResult
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
 from testbed.guards import network_mode
-from testbed.page_moves import page_move_count
+from testbed.page_moves import add_reason_counts, page_move_count
 from testbed.profile import MachineProfile, load_profile
 from testbed.progress import Progress
 from testbed.results import StepRecord
@@ -227,6 +227,9 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
     if pcie:
         ledger.add_pcie("paging", pcie)
     states = d.end.heat.state_counts() if d.end.heat is not None else None
+    by_reason: dict[str, int] = {}
+    for ranks, m in groups:
+        add_reason_counts(by_reason, m, len(ranks))
     cache = d.sync.cache
     return StepRecord(
         step=step,
@@ -243,6 +246,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
         cache_hits=cache.hits if cache else 0,
         cache_lookups=cache.lookups if cache else 0,
         expert_states=states,
+        moves_by_reason=by_reason,
         wire_bytes_by_level=sim.wire_bytes,
         fitted_share=fig.fitted_share,
         extra={"layer_time_s": fig.layer_time_s, "exposed_s_mean": fig.exposed_s_mean,

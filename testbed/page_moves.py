@@ -75,6 +75,13 @@ _MOVE_FIELDS = tuple(f.name for f in fields(PageMoves))
 
 
 
+def add_reason_counts(total: dict[str, int], moves: PageMoves, times: int = 1) -> dict[str, int]:
+    """``total`` (reason -> rows) with ``times`` x the rows of ``moves`` added, in place."""
+    for name, c in moves.count_by_reason().items():
+        total[name] = total.get(name, 0) + times * c
+    return total
+
+
 def page_move_count(moves: PageMoves) -> int:
     """Page relocations in ``moves``: loads, write-backs, drops and refreshes; gradient
     shipping (``update``) and invalidation of stale replicas (``stale``) are not moves."""

@@ -41,6 +41,7 @@ class StepRecord:
     loss: float | None = None
     aux_loss: float | None = None
     expert_states: dict[str, int] | None = None  # hot / warm / cold counts after a heat update
+    moves_by_reason: dict[str, int] | None = None  # page-move rows per reason (testbed.page_moves.REASONS), all ranks
     wire_bytes_by_level: dict[str, int] | None = None  # nvlink, leaf, spine (see module doc)
     fitted_share: float | None = None  # simulator: fraction of the step's time from fitted constants
     extra: dict = field(default_factory=dict)
@@ -76,12 +77,29 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
         "dropped_token_fraction": (sum(r.dropped_slots for r in measured) / routed) if routed else 0.0,
         "page_moves_per_step": sum(r.page_moves for r in measured) / n if n else 0.0,
         "page_stall_s": statistics.median(r.page_stall_s for r in measured) if n else 0.0,
+        # whole run, warm-up included: the events a heat or paging sweep must see fire
+        "moves_by_reason": sum_counts([r.moves_by_reason for r in records]),
+        "heat_updates": sum(1 for r in records if r.expert_states is not None),
+        "max_frozen_fraction": max((r.expert_states.get("cold", 0) / max(1, sum(r.expert_states.values()))
+                                    for r in records if r.expert_states), default=0.0),
         "group_cache_hit_rate": (sum(r.cache_hits for r in measured) / lookups) if lookups else None,
         "wire_bytes_by_level": _mean_levels([r.wire_bytes_by_level for r in measured]),
         "fitted_share": statistics.median(f) if (f := [r.fitted_share for r in measured if r.fitted_share is not None]) else None,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
     })
+    return out
+
+
+def sum_counts(rows: list[dict | None]) -> dict[str, int] | None:
+    """Counts summed over steps, or None when no step has them."""
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return None
+    out: dict[str, int] = {}
+    for r in rows:
+        for k, v in r.items():
+            out[k] = out.get(k, 0) + int(v)
     return out
 
 
