@@ -30,21 +30,36 @@ class Groups:
             if members not in self.fixed:
                 self.fixed[members] = dist.new_group(list(members)) if len(members) > 1 else None
         self.cached: dict[tuple[int, ...], object] = {}
+        # evicted this round: still usable by the round's ops, destroyed by ``retire``
+        self._retiring: dict[tuple[int, ...], object] = {}
         self._retired: list[object] = []
         self.created_s = 0.0  # seconds spent creating cached groups (all of them)
 
     def get(self, members: tuple[int, ...], cached: bool = False):
         members = tuple(members)
-        return self.cached[members] if cached else self.fixed[members]
+        if not cached:
+            return self.fixed[members]
+        return self.cached[members] if members in self.cached else self._retiring[members]
 
     def apply(self, events: CacheEvents) -> float:
-        """Create the groups the cache missed on; evicted ones are destroyed by ``retire``.
-        Returns the seconds the creation took."""
+        """Mirror one round of the cache's lookups: create the groups it missed on and set
+        aside the ones it evicted, in the order the cache did (once the cache is full every
+        miss evicts, so the evictions go with the last misses). A round that needs more
+        groups than the cache holds evicts a group before its own op runs (one that hit
+        earlier in the round, or one created in it), so set-aside groups stay usable until
+        ``retire`` destroys them after the round's ops. Returns the seconds the creation
+        took."""
         t0 = time.perf_counter()
-        for members in events.evicted:
-            self._retired.append(self.cached.pop(members, None))
-        for members in events.created:
-            self.cached[members] = dist.new_group(list(members))
+        first_evicting = len(events.created) - len(events.evicted)
+        for k, members in enumerate(events.created):
+            if k >= first_evicting:
+                old = events.evicted[k - first_evicting]
+                if old in self.cached:
+                    pg = self.cached.pop(old)
+                    self._retiring[old] = pg
+                    self._retired.append(pg)
+            if members not in self.cached:
+                self.cached[members] = dist.new_group(list(members))
         seconds = time.perf_counter() - t0
         self.created_s += seconds
         return seconds
@@ -61,6 +76,7 @@ class Groups:
 
     def retire(self) -> None:
         """Destroy groups evicted this round, after the round's ops ran."""
+        self._retiring = {}
         for pg in self._retired:
             if pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(pg)
