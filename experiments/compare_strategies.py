@@ -1,34 +1,24 @@
-"""How do the token strategies (alltoall, allgather, hierarchical) and expert-sync
-strategies (allreduce, two_stage) compare on the quick-start scenario, simulated and
-measured?
+"""How do the token strategies and expert-sync strategies compare, simulated and measured?
 
-Runs the 6 strategy combinations on each backend, stores each as a run folder under
-``run.output_dir`` (finished runs are reused, so a stopped sweep resumes; ``--fresh``
-reruns), and writes one comparison page (``testbed.report``). Step times are seconds
-(median of measured steps).
+Token strategy (M7: ``alltoall``, ``allgather``, ``hierarchical``) x expert sync (M8
+``allreduce``, M9 ``two_stage``) on the quick-start scenario's cluster (8 ranks: 2 GPUs per
+node, 2 nodes per micro-cluster, 2 micro-clusters) -> step time, time and bytes per
+stage, with the ranking of the six on each backend. The claims it tests: C3 (two-stage
+sync moves 42.7% of the all-reduce's bytes) and C16 (the all-to-all's share of a step).
 
-    python experiments/compare_strategies.py --backends sim --set run.steps=4
+    python experiments/compare_strategies.py --quick --json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
-from testbed.backend import BACKENDS
-from testbed.errors import ScenarioError, run_as_command
-from testbed.report import write_comparison_report
-from testbed.runner import run_scenario
-from testbed.runs import latest_run
+from testbed.experiment import ROOT, Experiment, experiment_main
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
-from testbed.scenario_file import load_scenario
+from testbed.stages import TOKEN_STAGES
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "configs" / "quickstart.toml"
-DEFAULT_OUTPUT = REPO / "reports" / "compare_strategies.html"
+TOKEN, SYNC = "comm.token_strategy", "comm.expert_sync"
+DEFAULT_CONFIG = ROOT / "configs" / "quickstart.toml"
 
 
 def strategy_scenarios(base: Scenario) -> list[Scenario]:
@@ -37,61 +27,46 @@ def strategy_scenarios(base: Scenario) -> list[Scenario]:
             for t in TOKEN_STRATEGIES for s in EXPERT_SYNC_STRATEGIES]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="base scenario TOML (default: configs/quickstart.toml)")
-    p.add_argument("--backends", default="sim,real", help="comma-separated backends (default: sim,real)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one field of the base scenario (repeatable)")
-    p.add_argument("--output", default=str(DEFAULT_OUTPUT), metavar="FILE.html", help="report path")
-    p.add_argument("--fresh", action="store_true", help="rerun even when an identical finished run exists")
-    p.add_argument("--json", action="store_true", help="print the results as a JSON list (report path goes to stderr)")
-    return p
+def build(opts):
+    base = opts.base(DEFAULT_CONFIG)
+    if opts.quick:
+        base = base.replace(run={"steps": 5, "warmup_steps": 1})
+    axes = {TOKEN: list(TOKEN_STRATEGIES), SYNC: list(EXPERT_SYNC_STRATEGIES)}
+    return opts.sweep("compare_strategies", base, axes=axes, baseline={TOKEN: "alltoall", SYNC: "allreduce"})
 
 
-def sweep(base: Scenario, backends: list[str], *, fresh: bool = False, log=sys.stderr) -> list[dict]:
-    """Run every strategy variant on every backend; one progress line per run on ``log``."""
-    variants = strategy_scenarios(base)
-    total = len(variants) * len(backends)
-    rows = []
-    for backend in backends:
-        for scenario in variants:
-            c = scenario.comm
-            print(f"[{len(rows) + 1}/{total}] {backend} {c.token_strategy} {c.expert_sync} ...", end=" ", file=log, flush=True)
-            reused = not fresh and latest_run(scenario, backend) is not None
-            start = time.perf_counter()
-            try:
-                summary = run_scenario(scenario, backend, reuse=not fresh)
-            except BaseException:
-                print("failed", file=log, flush=True)  # ends the progress line before the error
-                raise
-            print("reused" if reused else f"{time.perf_counter() - start:.1f} s", file=log, flush=True)
-            rows.append({"backend": backend, "token_strategy": c.token_strategy, "expert_sync": c.expert_sync,
-                         "step_time_s": summary.get("step_time_s"), "run_dir": summary["run_dir"]})
-    return rows
+def _fig(p, backend, key):
+    return (p.get(backend) or {}).get(key)
+
+
+def token_share(p: dict, backend: str) -> float | None:
+    """Fraction of the step spent in the token stages (dispatch, combine, their backward)."""
+    st, step = _fig(p, backend, "stage_time_s"), _fig(p, backend, "step_time_s")
+    if not st or not step:
+        return None
+    return sum(st.get(s, 0.0) for s in TOKEN_STAGES) / step
+
+
+def analyse(result) -> dict:
+    pts = result.points()
+    head = {}
+    for backend, key in (("sim", "sim_step_s"), ("real", "measured_step_s")):
+        sel = [p for p in pts if p[key] is not None]
+        if sel:
+            head[f"ranking_{backend}"] = [f"{p[TOKEN]}/{p[SYNC]}" for p in sorted(sel, key=lambda p: p[key])]
+    return head
+
+
+EXPERIMENT = Experiment(
+    name="compare_strategies", question=__doc__.split("\n")[0], build=build, analyse=analyse,
+    note="Ranking: fastest first. Token share: the fraction of the step in dispatch, combine and their backward.",
+    columns=[("token share sim / real", lambda p: " / ".join(
+        "—" if token_share(p, b) is None else f"{100 * token_share(p, b):.0f}%" for b in ("sim", "real")))])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return run_as_command("compare_strategies", lambda: _run(args),
-                          "stopped; rerun to resume (finished runs are reused)")
+    return experiment_main(EXPERIMENT, argv)
 
-
-def _run(args) -> int:
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    for b in backends or [""]:
-        if b not in BACKENDS:
-            raise ScenarioError("--backends", b, "expected one of " + ", ".join(BACKENDS))
-    base = load_scenario(args.config, args.overrides)
-    rows = sweep(base, backends, fresh=args.fresh)
-    title = f"Token and expert-sync strategies on {Path(args.config).name}"
-    path = write_comparison_report([r["run_dir"] for r in rows], args.output, title)
-    if args.json:
-        print(json.dumps(rows))
-        print(f"wrote {path}", file=sys.stderr)
-    else:
-        print(path)
-    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,10 +13,13 @@ from __future__ import annotations
 import html
 import math
 import re
+import time
 from pathlib import Path
 
 import plotly.graph_objects as go
 import plotly.io as pio
+
+from testbed.files import write_atomic
 
 STYLE = """body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
 table { border-collapse: collapse; font-size: 0.9em; }
@@ -54,6 +57,8 @@ SERIES_COLORS = ("#393b79", "#ad494a", "#637939", "#bd9e39", "#7b4173", "#3182bd
 LABEL_CHARS = 48
 
 MiB = 2**20
+#: the page that lists every report of its folder
+INDEX_PAGE = "index.html"
 
 
 def stage_color(stage: str) -> str:
@@ -168,15 +173,53 @@ def table_html(header: list[str], rows: list[list[str]], dense: bool = False) ->
     return f"<div class=\"wide\"><table{cls}>\n<tr>{head}</tr>\n{body}\n</table></div>"
 
 
-def write_page(output: str | Path, title: str, note: str, sections: list[tuple[str, str]]) -> Path:
+def write_page(output: str | Path, title: str, note: str, sections: list[tuple[str, str]],
+               scenario: str = "") -> Path:
     """Write the page: ``sections`` are (heading, inner HTML) in order. ``note`` is plain
-    text; blank lines in it start a new paragraph."""
+    text; blank lines in it start a new paragraph. ``scenario``: what the page's runs ran
+    (a config name, a sweep), shown by the folder's index page, which is rewritten after
+    every report (``testbed.report_index``)."""
     parts = "\n".join(f"<h2>{html.escape(h)}</h2>\n{inner}" for h, inner in sections)
     paragraphs = "\n".join(f"<p class=\"note\">{html.escape(p.strip())}</p>" for p in note.split("\n\n") if p.strip())
-    page = (f"<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n<title>{html.escape(title)}</title>\n"
+    created = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    meta = (f"<meta name=\"testbed-created\" content=\"{created}\">\n"
+            f"<meta name=\"testbed-scenario\" content=\"{html.escape(scenario, quote=True)}\">\n")
+    page = (f"<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n{meta}<title>{html.escape(title)}</title>\n"
             f"<style>\n{STYLE}\n</style>\n</head>\n<body>\n<h1>{html.escape(title)}</h1>\n"
             f"{paragraphs}\n{parts}\n</body>\n</html>\n")
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    write_atomic(out, page)
+    if out.name != INDEX_PAGE:
+        write_index(out.parent)
     return out
+
+
+_META = re.compile(r'<meta name="testbed-(created|scenario)" content="([^"]*)">')
+_TITLE = re.compile(r"<title>(.*?)</title>", re.S)
+
+
+def write_index(folder: str | Path) -> Path:
+    """``folder/index.html``: a link to every report in the folder, newest first, with its
+    title, date and scenario (as each page states them; pages made before pages carried
+    them show their file's modification time)."""
+    folder = Path(folder)
+    rows = []
+    for page in folder.glob("*.html"):
+        if page.name == INDEX_PAGE:
+            continue
+        head = page.read_text(encoding="utf-8", errors="replace")[:4000]
+        meta = dict(_META.findall(head))
+        title = _TITLE.search(head)
+        created = meta.get("created") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(page.stat().st_mtime))
+        rows.append((created, page.name, html.unescape(title.group(1)) if title else page.name,
+                     html.unescape(meta.get("scenario", ""))))
+    rows.sort(reverse=True)
+    body = "\n".join(f"<tr><td><a href=\"{html.escape(name)}\">{html.escape(t)}</a></td><td>{html.escape(c)}</td>"
+                     f"<td>{html.escape(sc)}</td><td>{html.escape(name)}</td></tr>" for c, name, t, sc in rows)
+    page = (f"<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n<title>Reports</title>\n"
+            f"<style>\n{STYLE}\n</style>\n</head>\n<body>\n<h1>Reports</h1>\n"
+            f"<p class=\"note\">Every report in this folder, newest first. Each page names the runs its numbers "
+            f"come from.</p>\n<div class=\"wide\"><table>\n<tr><th>report</th><th>written</th><th>scenario</th>"
+            f"<th>file</th></tr>\n{body}\n</table></div>\n</body>\n</html>\n")
+    return write_atomic(folder / INDEX_PAGE, page)

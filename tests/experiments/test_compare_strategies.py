@@ -39,14 +39,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_sim_sweep_writes_six_runs_and_a_report(tmp_path, capsys):
     out = tmp_path / "r.html"
-    args = ["--backends", "sim", "--set", "run.steps=2", "--set", "run.warmup_steps=0",
+    args = ["--backends", "sim", "--set", "run.steps=2", "--set", "run.warmup_steps=0", "--no-progress",
             "--set", f"run.output_dir={tmp_path / 'runs'}", "--output", str(out), "--json"]
     assert load_script().main(args) == 0
-    captured = capsys.readouterr()
-    rows = json.loads(captured.out)
-    assert len(rows) == 6 and len({r["run_dir"] for r in rows}) == 6
-    assert all(Path(r["run_dir"], "summary.json").is_file() for r in rows)
-    assert out.is_file() and "[6/6] sim hierarchical two_stage" in captured.err
+    result = json.loads(capsys.readouterr().out)
+    points = result["points"]
+    assert len(points) == 6 and result["ran"] == 6
+    assert {(p["comm.token_strategy"], p["comm.expert_sync"]) for p in points} == {
+        (t, e) for t in ("alltoall", "allgather", "hierarchical") for e in ("allreduce", "two_stage")}
+    assert all(p["sim_speedup"] > 0 and p["measured_speedup"] is None for p in points)
+    assert len(result["headline"]["ranking_sim"]) == 6
+    assert out.is_file() and out.with_suffix(".csv").is_file()
+    assert (tmp_path / "index.html").is_file() and out.name in (tmp_path / "index.html").read_text()
     # a second sweep reuses every finished run
     assert load_script().main(args) == 0
-    assert capsys.readouterr().err.count("reused") == 6
+    assert json.loads(capsys.readouterr().out)["ran"] == 0

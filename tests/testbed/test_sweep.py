@@ -1,0 +1,156 @@
+"""The sweep engine: grids, the sweep index (resume after a kill), speedups, executors,
+and a paired real + simulated sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import ScenarioError
+from testbed.runs import read_index
+from testbed.scenario import Scenario
+from testbed.sweep import Sweep, SweepIndex, point_label, run_sweep, with_keys, write_table
+
+TINY = {"model": {"hidden_size": 32, "ffn_hidden_size": 64},
+        "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 2, "microclusters": 1},
+        "parallelism": {"ep_size": 2},
+        "run": {"steps": 3, "warmup_steps": 1}}
+
+
+def tiny(tmp_path, **sections) -> Scenario:
+    data = {k: dict(v) for k, v in TINY.items()}
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    data["run"]["output_dir"] = str(tmp_path / "runs")
+    return Scenario.from_dict(data)
+
+
+def test_grid_is_the_product_of_axes_or_the_points_given(tmp_path):
+    s = Sweep("g", tiny(tmp_path), axes={"router.capacity_factor": [1.0, 2.0], "workload.skew": [0, 1, 2]})
+    grid = s.grid()
+    assert len(grid) == 6 and grid[0] == {"router.capacity_factor": 1.0, "workload.skew": 0}
+    assert grid[-1] == {"router.capacity_factor": 2.0, "workload.skew": 2}
+    pts = [{"heat.alpha": 1.0, "heat.beta": 0.0}, {"heat.alpha": 0.0, "heat.beta": 1.0}]
+    assert Sweep("p", tiny(tmp_path), axes={"x.y": [1]}, points=pts).grid() == pts
+    assert point_label({"router.capacity_factor": 1.25, "heat.alpha": 0.5}) == "capacity_factor=1.25 alpha=0.5"
+
+
+def test_with_keys_names_the_bad_field(tmp_path):
+    s = tiny(tmp_path)
+    assert with_keys(s, {"router.capacity_factor": 2.0}).router.capacity_factor == 2.0
+    with pytest.raises(ScenarioError, match="capacity_factr"):
+        with_keys(s, {"router.capacity_factr": 2.0})
+    with pytest.raises(ScenarioError, match="section.key"):
+        with_keys(s, {"capacity_factor": 2.0})
+
+
+def test_sim_sweep_speedups_table_and_invalid_points(tmp_path):
+    # ep_size 3 does not divide 4 GPUs: that point is skipped with its reason, the rest run
+    sweep = Sweep("s", tiny(tmp_path), axes={"parallelism.ep_size": [2, 3, 4]}, backends=("sim",))
+    result = run_sweep(sweep, jobs=1, progress=False)
+    assert [p["parallelism.ep_size"] for p in result.grid] == [2, 4]
+    assert len(result.skipped) == 1 and "ep_size" in result.skipped[0][1]
+    pts = result.points()
+    assert pts[0]["baseline"] and pts[0]["sim_speedup"] == 1.0
+    assert pts[1]["sim_speedup"] == pytest.approx(pts[0]["sim_step_s"] / pts[1]["sim_step_s"])
+    assert pts[1]["measured_speedup"] is None  # no real backend in this sweep
+    rows = result.rows()
+    assert len(rows) == 2 and {r["backend"] for r in rows} == {"sim"}
+    path = write_table(rows, tmp_path / "t.csv")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and "step_time_s" in lines[0] and "stage_time_s.experts" in lines[0]
+    # run again: everything comes from the sweep's index, nothing runs
+    again = run_sweep(sweep, jobs=1, progress=False)
+    assert again.ran == 0 and [p["sim_step_s"] for p in again.points()] == [p["sim_step_s"] for p in pts]
+    assert run_sweep(sweep, jobs=1, progress=False, fresh=True).ran == 2
+
+
+def test_parallel_executors_give_the_same_results(tmp_path):
+    sweep = Sweep("par", tiny(tmp_path), axes={"workload.skew": [0.0, 0.5, 1.0]}, backends=("sim",))
+    local = run_sweep(sweep, jobs=2, progress=False)
+    assert local.ran == 3
+    pytest.importorskip("dask.distributed")
+    dsk = run_sweep(Sweep("par-dask", tiny(tmp_path / "d"), axes={"workload.skew": [0.0, 0.5, 1.0]}),
+                    jobs=2, executor="dask", progress=False)
+    assert dsk.ran == 3
+    assert [p["sim_step_s"] for p in dsk.points()] == [p["sim_step_s"] for p in local.points()]
+
+
+def test_unknown_executor_and_baseline_are_refused(tmp_path):
+    sweep = Sweep("x", tiny(tmp_path), axes={"workload.skew": [0.0]})
+    with pytest.raises(ScenarioError, match="--executor"):
+        run_sweep(sweep, executor="spark", progress=False)
+    bad = Sweep("y", tiny(tmp_path), axes={"workload.skew": [0.0]}, baseline={"workload.skew": 9.0})
+    with pytest.raises(ScenarioError, match="baseline"):
+        run_sweep(bad, jobs=1, progress=False).points()
+
+
+KILLED_SWEEP = """
+import sys
+from testbed.scenario import Scenario
+from testbed.sweep import Sweep, run_sweep
+base = Scenario.from_dict({data!r})
+sweep = Sweep("killed", base, axes={{"workload.skew": [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]}}, backends=("sim",))
+run_sweep(sweep, jobs=1, progress=False)
+print("done")
+"""
+
+
+def test_a_sweep_killed_half_way_finishes_every_point_exactly_once(tmp_path):
+    data = tiny(tmp_path, run={"steps": 12}).to_dict()
+    script = KILLED_SWEEP.format(data=data)
+    index = tmp_path / "runs" / "sweeps" / "killed.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if index.is_file() and len(index.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the sweep finished before it could be killed: make its points slower"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(index.read_text().splitlines())
+    assert 2 <= done_before < 6
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    tasks = [json.loads(line)["task"] for line in index.read_text().splitlines()]
+    assert len(tasks) == 6 and len(set(tasks)) == 6  # every point once in the index
+    complete = [e for e in read_index(tmp_path / "runs").values() if e["complete"]]
+    per_scenario = {}
+    for e in complete:
+        per_scenario[e["scenario_hash"]] = per_scenario.get(e["scenario_hash"], 0) + 1
+    assert len(per_scenario) == 6 and set(per_scenario.values()) == {1}  # none completed twice
+
+
+def test_index_ignores_a_line_cut_short_and_runs_that_are_gone(tmp_path):
+    idx = SweepIndex(tmp_path, "cut", fresh=False)
+    idx.path.write_text('{"task": "sim/abc/r0", "run_dir": "' + str(tmp_path / "gone") + '"}\n{"task": "si')
+    assert SweepIndex(tmp_path, "cut", fresh=False).done == {}
+
+
+@pytest.mark.slow
+def test_paired_sweep_replays_each_points_real_routing(tmp_path, two_ranks):
+    """Real runs (2 repeats a point) and the simulator replaying the first one's routing."""
+    two_ranks["run"]["output_dir"] = str(tmp_path / "runs")
+    base = Scenario.from_dict(two_ranks)
+    sweep = Sweep("paired", base, axes={"router.capacity_factor": [1.0, 2.0]}, backends=("sim", "real"), repeats=2)
+    result = run_sweep(sweep, jobs=1, progress=False)
+    assert result.ran == 6
+    pts = result.points()
+    for p in pts:
+        assert p["measured_step_s"] > 0 and p["sim_step_s"] > 0 and p["measured_spread"] >= 0
+        assert len(p["real"]["runs"]) == 2
+        lo, hi = p["measured_speedup_range"]
+        assert lo <= p["measured_speedup"] <= hi
+        sim_summary = result.summaries[(p["point"], "sim", 0)]
+        assert sim_summary["routing_source"].startswith("replayed")
+        # same routing on both sides: the planner's bytes per level are the same
+        assert sim_summary["bytes_by_level"] == result.summaries[(p["point"], "real", 0)]["bytes_by_level"]
+    assert pts[0]["measured_speedup"] == 1.0
