@@ -73,14 +73,19 @@ def test_sim_sweep_speedups_table_and_invalid_points(tmp_path):
 
 
 def test_parallel_executors_give_the_same_results(tmp_path):
-    sweep = Sweep("par", tiny(tmp_path), axes={"workload.skew": [0.0, 0.5, 1.0]}, backends=("sim",))
-    local = run_sweep(sweep, jobs=2, progress=False)
+    """joblib's process pool, a dask cluster the sweep starts itself, and an existing dask
+    cluster named by its scheduler's address give the same simulated steps."""
+    axes = {"workload.skew": [0.0, 0.5, 1.0]}
+    local = run_sweep(Sweep("par", tiny(tmp_path / "l"), axes=axes), jobs=2, progress=False)
     assert local.ran == 3
-    pytest.importorskip("dask.distributed")
-    dsk = run_sweep(Sweep("par-dask", tiny(tmp_path / "d"), axes={"workload.skew": [0.0, 0.5, 1.0]}),
-                    jobs=2, executor="dask", progress=False)
-    assert dsk.ran == 3
-    assert [p["sim_step_s"] for p in dsk.points()] == [p["sim_step_s"] for p in local.points()]
+    distributed = pytest.importorskip("dask.distributed")
+    own = run_sweep(Sweep("par", tiny(tmp_path / "d"), axes=axes), jobs=2, executor="dask", progress=False)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        existing = run_sweep(Sweep("par", tiny(tmp_path / "e"), axes=axes), executor="dask",
+                             address=cluster.scheduler_address, progress=False)
+    want = [p["sim_step_s"] for p in local.points()]
+    assert own.ran == existing.ran == 3
+    assert [p["sim_step_s"] for p in own.points()] == want == [p["sim_step_s"] for p in existing.points()]
 
 
 def test_unknown_executor_and_baseline_are_refused(tmp_path):
