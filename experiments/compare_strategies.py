@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from testbed.experiment import ROOT, Experiment, experiment_main
+from testbed.experiment import ROOT, Experiment, experiment_main, figure
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
 from testbed.stages import TOKEN_STAGES
 
@@ -35,13 +35,10 @@ def build(opts):
     return opts.sweep("compare_strategies", base, axes=axes, baseline={TOKEN: "alltoall", SYNC: "allreduce"})
 
 
-def _fig(p, backend, key):
-    return (p.get(backend) or {}).get(key)
-
 
 def token_share(p: dict, backend: str) -> float | None:
     """Fraction of the step spent in the token stages (dispatch, combine, their backward)."""
-    st, step = _fig(p, backend, "stage_time_s"), _fig(p, backend, "step_time_s")
+    st, step = figure(p, backend, "stage_time_s"), figure(p, backend, "step_time_s")
     if not st or not step:
         return None
     return sum(st.get(s, 0.0) for s in TOKEN_STAGES) / step

@@ -16,9 +16,8 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import Experiment, experiment_base, experiment_main
+from testbed.experiment import Experiment, both, experiment_base, experiment_main, figure
 from testbed.html_page import legend_below, series_color
-from testbed.sweep import point_label
 
 #: the largest fraction of routed (token, expert) slots a "best" factor may drop
 DROP_BUDGET = 0.01
@@ -36,9 +35,6 @@ def build(opts):
     return opts.sweep("sweep_capacity_factor", base, axes=axes, baseline={CF: 1.0, AUX: 0.01, SKEW: 0.0})
 
 
-def _fig(p, backend: str, key: str):
-    return (p.get(backend) or {}).get(key)
-
 
 def best_factors(points: list[dict], backend: str, time_key: str) -> dict[str, float | None]:
     """Setting (skew, aux) -> the best capacity factor on ``backend`` (see module doc)."""
@@ -46,7 +42,7 @@ def best_factors(points: list[dict], backend: str, time_key: str) -> dict[str, f
     settings = {(p[SKEW], p[AUX]) for p in points}
     for skew, aux in sorted(settings):
         sel = [p for p in points if p[SKEW] == skew and p[AUX] == aux and p[time_key] is not None]
-        ok = [p for p in sel if (_fig(p, backend, "dropped_token_fraction") or 0) <= DROP_BUDGET]
+        ok = [p for p in sel if (figure(p, backend, "dropped_token_fraction") or 0) <= DROP_BUDGET]
         pick = min(ok, key=lambda p: p[time_key]) if ok else None
         out[f"skew={skew:g} aux={aux:g}"] = None if pick is None else pick[CF]
     return out
@@ -60,7 +56,7 @@ def analyse(result) -> dict:
         head["best_capacity_factor_measured"] = best_factors(pts, "real", "measured_step_s")
     # C14: drops at 1.1-1.25 (the claim's range), per backend
     for backend in ("sim", "real"):
-        drops = [_fig(p, backend, "dropped_token_fraction") for p in pts if 1.1 <= p[CF] <= 1.25]
+        drops = [figure(p, backend, "dropped_token_fraction") for p in pts if 1.1 <= p[CF] <= 1.25]
         drops = [d for d in drops if d is not None]
         if drops:
             head[f"max_drop_at_1.1_to_1.25_{backend}"] = max(drops)
@@ -79,10 +75,10 @@ def figures(result, headline) -> list:
             for skew in sorted({p[SKEW] for p in pts}):
                 for aux in sorted({p[AUX] for p in pts}):
                     sel = sorted((p for p in pts if p[SKEW] == skew and p[AUX] == aux and p[CF] > 0
-                                  and _fig(p, backend, key) is not None), key=lambda p: p[CF])
+                                  and figure(p, backend, key) is not None), key=lambda p: p[CF])
                     if not sel:
                         continue
-                    fig.add_trace(go.Scatter(x=[p[CF] for p in sel], y=[_fig(p, backend, key) * scale for p in sel],
+                    fig.add_trace(go.Scatter(x=[p[CF] for p in sel], y=[figure(p, backend, key) * scale for p in sel],
                                              mode="lines+markers", line={"dash": dash, "color": series_color(k)},
                                              name=f"{'simulated' if backend == 'sim' else 'measured'} skew {skew:g} "
                                                   f"aux {aux:g}"))
@@ -99,10 +95,9 @@ EXPERIMENT = Experiment(
     name="sweep_capacity_factor", question=__doc__.split("\n")[0], build=build, analyse=analyse, figures=figures,
     note=f"The best factor of a setting: the shortest step among factors that drop at most {100 * DROP_BUDGET:g}% "
          "of routed slots. Capacity factor 0 is dropless. Loss is the task loss of the last step.",
-    columns=[("dropped (sim / real)", lambda p: f"{100 * (_fig(p, 'sim', 'dropped_token_fraction') or 0):.2f}% / "
-              f"{100 * (_fig(p, 'real', 'dropped_token_fraction') or 0):.2f}%"),
-             ("loss last (real)", lambda p: f"{_fig(p, 'real', 'loss_last') or float('nan'):.4f}"),
-             ("peak memory (sim)", lambda p: f"{(_fig(p, 'sim', 'peak_memory_bytes') or 0) / 2**20:.2f} MiB")])
+    columns=[("dropped sim / real", lambda p: both(p, "dropped_token_fraction", lambda v: f"{100 * v:.2f}%")),
+             ("loss last sim / real", lambda p: both(p, "loss_last", lambda v: f"{v:.4f}")),
+             ("peak memory sim / real", lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

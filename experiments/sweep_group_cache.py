@@ -14,7 +14,7 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import Experiment, experiment_base, experiment_main
+from testbed.experiment import Experiment, both, experiment_base, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 
 SIZE = "comm.group_cache_size"
@@ -28,15 +28,12 @@ def build(opts):
     return opts.sweep("sweep_group_cache", base, axes=axes, baseline={SIZE: axes[SIZE][-1]})
 
 
-def _fig(p, backend, key):
-    return (p.get(backend) or {}).get(key)
-
 
 def analyse(result) -> dict:
     pts = result.points()
     head = {}
     for backend in ("sim", "real"):
-        rates = {p[SIZE]: _fig(p, backend, "group_cache_hit_rate") for p in pts if _fig(p, backend, "group_cache_hit_rate") is not None}
+        rates = {p[SIZE]: figure(p, backend, "group_cache_hit_rate") for p in pts if figure(p, backend, "group_cache_hit_rate") is not None}
         if rates:
             head[f"hit_rate_{backend}"] = rates
             best = max(rates.values())
@@ -48,9 +45,9 @@ def figures(result, headline) -> list:
     pts = sorted(result.points(), key=lambda p: p[SIZE])
     fig = go.Figure()
     for i, (backend, name) in enumerate((("sim", "simulated"), ("real", "measured"))):
-        sel = [p for p in pts if _fig(p, backend, "group_cache_hit_rate") is not None]
+        sel = [p for p in pts if figure(p, backend, "group_cache_hit_rate") is not None]
         if sel:
-            fig.add_trace(go.Scatter(x=[p[SIZE] for p in sel], y=[100 * _fig(p, backend, "group_cache_hit_rate") for p in sel],
+            fig.add_trace(go.Scatter(x=[p[SIZE] for p in sel], y=[100 * figure(p, backend, "group_cache_hit_rate") for p in sel],
                                      mode="lines+markers", name=name, marker_color=series_color(i)))
     fig.update_xaxes(title="group cache size (groups)", type="log")
     fig.update_yaxes(title="hit rate, % of lookups", range=[0, 101])
@@ -61,10 +58,9 @@ EXPERIMENT = Experiment(
     name="sweep_group_cache", question=__doc__.split("\n")[0], build=build, analyse=analyse, figures=figures,
     note="Hit rate: cache hits / lookups over the measured steps. Creation: seconds the real ranks spent in "
          "new_group for cached groups over the whole run (gloo; NCCL's communicators cost far more).",
-    columns=[("hit rate sim / real", lambda p: f"{100 * (_fig(p, 'sim', 'group_cache_hit_rate') or 0):.1f}% / "
-              f"{100 * (_fig(p, 'real', 'group_cache_hit_rate') or 0):.1f}%"),
-             ("creation (real)", lambda p: f"{1e3 * (_fig(p, 'real', 'group_create_s') or 0):.1f} ms"),
-             ("peak memory (sim)", lambda p: f"{(_fig(p, 'sim', 'peak_memory_bytes') or 0) / 2**20:.2f} MiB")])
+    columns=[("hit rate sim / real", lambda p: both(p, "group_cache_hit_rate", lambda v: f"{100 * v:.1f}%")),
+             ("creation (real)", lambda p: f"{1e3 * (figure(p, 'real', 'group_create_s') or 0):.1f} ms"),
+             ("peak memory sim / real", lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

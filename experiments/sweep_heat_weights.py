@@ -18,7 +18,7 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import ROOT, Experiment, experiment_main
+from testbed.experiment import ROOT, Experiment, both, experiment_main, figure
 from testbed.html_page import category_ticks, legend_below, series_color
 
 A, B, G, INTERVAL = "heat.alpha", "heat.beta", "heat.gamma", "heat.update_interval"
@@ -46,12 +46,9 @@ def build(opts):
                       baseline={A: SEED_WEIGHTS[0], B: SEED_WEIGHTS[1], G: SEED_WEIGHTS[2], INTERVAL: intervals[0]})
 
 
-def _fig(p, backend, key):
-    return (p.get(backend) or {}).get(key)
-
 
 def events(p: dict, backend: str) -> dict[str, int]:
-    moves = _fig(p, backend, "moves_by_reason") or {}
+    moves = figure(p, backend, "moves_by_reason") or {}
     return {e: int(moves.get(e, 0)) for e in EVENTS}
 
 
@@ -68,8 +65,8 @@ def analyse(result) -> dict:
             best[f"interval={k}"] = [q[A], q[B], q[G]]
         head[f"best_weights_{backend}"] = best
         fired = {e: sum(events(p, backend)[e] for p in sel) for e in EVENTS}
-        fired["frozen_share_max"] = max(_fig(p, backend, "max_frozen_fraction") or 0 for p in sel)
-        fired["heat_updates_min"] = min(_fig(p, backend, "heat_updates") or 0 for p in sel)
+        fired["frozen_share_max"] = max(figure(p, backend, "max_frozen_fraction") or 0 for p in sel)
+        fired["heat_updates_min"] = min(figure(p, backend, "heat_updates") or 0 for p in sel)
         head[f"events_{backend}"] = fired
     return head
 
@@ -98,10 +95,8 @@ EXPERIMENT = Experiment(
          "largest fraction of experts in the Cold state after any heat update.",
     columns=[("cold / wake / prefetch (sim)", lambda p: "{cold} / {wake} / {prefetch}".format(**events(p, "sim"))),
              ("cold / wake / prefetch (real)", lambda p: "{cold} / {wake} / {prefetch}".format(**events(p, "real"))),
-             ("frozen max sim / real", lambda p: f"{100 * (_fig(p, 'sim', 'max_frozen_fraction') or 0):.0f}% / "
-              f"{100 * (_fig(p, 'real', 'max_frozen_fraction') or 0):.0f}%"),
-             ("heat stage sim / real", lambda p: " / ".join(
-                 f"{1e3 * ((_fig(p, b, 'stage_time_s') or {}).get('heat', 0)):.2f}" for b in ("sim", "real")) + " ms")])
+             ("frozen max sim / real", lambda p: both(p, "max_frozen_fraction", lambda v: f"{100 * v:.0f}%")),
+             ("heat stage sim / real", lambda p: both(p, "stage_time_s", lambda v: f"{1e3 * v.get('heat', 0):.2f} ms"))])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

@@ -16,7 +16,7 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import ROOT, Experiment, experiment_main
+from testbed.experiment import ROOT, Experiment, both, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 from testbed.units import parse_bytes
 
@@ -31,9 +31,6 @@ def build(opts):
             BUDGET: ["2000KiB"] if opts.quick else ["1600KiB", "2000KiB", "2400KiB"]}
     return opts.sweep("sweep_page_size", base, axes=axes, baseline={PAGE: "64KiB", BUDGET: "2000KiB"})
 
-
-def _fig(p, backend, key):
-    return (p.get(backend) or {}).get(key)
 
 
 def optimum(points: list[dict], time_key: str) -> dict[str, str | None]:
@@ -65,17 +62,17 @@ def figures(result, headline) -> list:
         for backend, dash, best in (("sim", "solid", headline.get("best_page_size_sim", {})),
                                     ("real", "dot", headline.get("best_page_size_measured", {}))):
             for budget in dict.fromkeys(p[BUDGET] for p in pts):
-                sel = sorted((p for p in pts if p[BUDGET] == budget and _fig(p, backend, key) is not None),
+                sel = sorted((p for p in pts if p[BUDGET] == budget and figure(p, backend, key) is not None),
                              key=lambda p: parse_bytes(p[PAGE]))
                 if not sel:
                     continue
                 xs = [parse_bytes(p[PAGE]) / 1024 for p in sel]
-                fig.add_trace(go.Scatter(x=xs, y=[_fig(p, backend, key) * scale for p in sel], mode="lines+markers",
+                fig.add_trace(go.Scatter(x=xs, y=[figure(p, backend, key) * scale for p in sel], mode="lines+markers",
                                          line={"dash": dash, "color": series_color(k)},
                                          name=f"{'simulated' if backend == 'sim' else 'measured'}, budget {budget}"))
                 opt = [p for p in sel if p[PAGE] == best.get(str(budget))]
                 if key == "step_time_s" and opt:
-                    fig.add_trace(go.Scatter(x=[parse_bytes(opt[0][PAGE]) / 1024], y=[_fig(opt[0], backend, key) * scale],
+                    fig.add_trace(go.Scatter(x=[parse_bytes(opt[0][PAGE]) / 1024], y=[figure(opt[0], backend, key) * scale],
                                              mode="markers", marker={"symbol": "star", "size": 16,
                                                                      "color": series_color(k)},
                                              name=f"optimum ({'simulated' if backend == 'sim' else 'measured'}, "
@@ -91,12 +88,9 @@ EXPERIMENT = Experiment(
     name="sweep_page_size", question=__doc__.split("\n")[0], build=build, analyse=analyse, figures=figures,
     note="Optimum: the page size with the shortest median step per budget, on each backend. Page moves: pages "
          "loaded, written back or dropped per step over all ranks. Peak memory: the largest over ranks.",
-    columns=[("page moves sim / real", lambda p: f"{_fig(p, 'sim', 'page_moves_per_step') or 0:.0f} / "
-              f"{_fig(p, 'real', 'page_moves_per_step') or 0:.0f}"),
-             ("stall sim / real", lambda p: f"{1e3 * (_fig(p, 'sim', 'page_stall_s') or 0):.2f} / "
-              f"{1e3 * (_fig(p, 'real', 'page_stall_s') or 0):.2f} ms"),
-             ("peak memory sim / real", lambda p: f"{(_fig(p, 'sim', 'peak_memory_bytes') or 0) / 2**20:.2f} / "
-              f"{(_fig(p, 'real', 'peak_memory_bytes') or 0) / 2**20:.2f} MiB")])
+    columns=[("page moves sim / real", lambda p: both(p, "page_moves_per_step", lambda v: f"{v:.0f}")),
+             ("stall sim / real", lambda p: both(p, "page_stall_s", lambda v: f"{1e3 * v:.2f} ms")),
+             ("peak memory sim / real", lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

@@ -15,7 +15,7 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import Experiment, experiment_base, experiment_main
+from testbed.experiment import Experiment, experiment_base, experiment_main, figure
 from testbed.html_page import LEVEL_COLORS, category_ticks, legend_below
 from testbed.stages import TOKEN_STAGES
 from testbed.topology import LEVELS
@@ -32,7 +32,7 @@ def build(opts):
 
 def token_time(p: dict, backend: str) -> float | None:
     """Seconds a step spends in the token stages (dispatch, combine and their backward)."""
-    st = (p.get(backend) or {}).get("stage_time_s")
+    st = figure(p, backend, "stage_time_s")
     return sum(st.get(s, 0.0) for s in TOKEN_STAGES) if st else None
 
 
@@ -57,7 +57,7 @@ def figures(result, headline) -> list:
     labels = [p["label"] for p in pts]
     fig = go.Figure()
     for lv in LEVELS[:3]:
-        fig.add_trace(go.Bar(x=labels, y=[((p.get("sim") or {}).get("bytes_by_level") or {}).get(lv, 0) / 2**20
+        fig.add_trace(go.Bar(x=labels, y=[(figure(p, "sim", "bytes_by_level") or {}).get(lv, 0) / 2**20
                                           for p in pts], name=lv, marker_color=LEVEL_COLORS[lv]))
     fig.update_xaxes(category_ticks(labels))
     fig.update_yaxes(title="MiB per step (planner payload, all ranks)")

@@ -226,3 +226,14 @@ def experiment_base(changes: dict | None = None) -> dict:
     for section, fields in (changes or {}).items():
         out.setdefault(section, {}).update(fields)
     return out
+
+
+def figure(point: dict, backend: str, key: str):
+    """A summary figure of a point (``SweepResult.points()``) on ``backend`` (its mean over
+    the point's runs), or None where the backend did not run it."""
+    return (point.get(backend) or {}).get(key)
+
+
+def both(point: dict, key: str, fmt: Callable[[float], str]) -> str:
+    """``simulated / measured`` of one figure, each formatted by ``fmt`` (— where missing)."""
+    return " / ".join("—" if (v := figure(point, b, key)) is None else fmt(v) for b in ("sim", "real"))
