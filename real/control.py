@@ -20,7 +20,7 @@ import threading
 
 import torch.distributed as dist
 
-from testbed.results import StepRecord, sum_counts
+from testbed.results import StepRecord, frozen_fraction, sum_counts
 from testbed.stages import STAGES
 
 
@@ -58,6 +58,9 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
         aux_loss=sum(g["aux"] for g in gathered) / n,
         expert_states=lead["states"],
         moves_by_reason=sum_counts([g["moves_by_reason"] for g in gathered]) or {},
+        frozen_fraction=(None if gathered[0]["frozen"] is None else
+                         frozen_fraction({i: g["frozen"] for i, g in enumerate(gathered)},
+                                         sum(g["local_experts"] for g in gathered))),
         wire_bytes_by_level=wire_bytes_by_level,
     )
 

@@ -145,6 +145,8 @@ class RankRunner:
             "step_time_s": step_time, "stage_time_s": totals, "by_stage": st.ledger.by_stage,
             "by_level": st.ledger.level_dict(), "peak": int(peak), "page_moves": st.page_moves,
             "moves_by_reason": dict(st.moves_by_reason),
+            "frozen": None if end.frozen is None else end.frozen.get(st.rank, 0),
+            "local_experts": len(st.controller.local_instances(st.rank)),
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
         }

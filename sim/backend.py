@@ -23,7 +23,7 @@ from testbed.guards import network_mode
 from testbed.page_moves import add_reason_counts, page_move_count
 from testbed.profile import MachineProfile, load_profile
 from testbed.progress import Progress
-from testbed.results import StepRecord
+from testbed.results import StepRecord, frozen_fraction
 from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
 from testbed.stages import stage_variant
@@ -247,6 +247,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRe
         cache_lookups=cache.lookups if cache else 0,
         expert_states=states,
         moves_by_reason=by_reason,
+        frozen_fraction=frozen_fraction(d.end.frozen, sim.layout.world * len(sim.controller.local_instances(0))),
         wire_bytes_by_level=sim.wire_bytes,
         fitted_share=fig.fitted_share,
         extra={"layer_time_s": fig.layer_time_s, "exposed_s_mean": fig.exposed_s_mean,

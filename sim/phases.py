@@ -56,6 +56,7 @@ class Phase:
     d2h: np.ndarray | None = None  # [W] bytes device -> host
     pages: np.ndarray | None = None  # [W] pages copied
     waits_for_pages: int = -1  # index of the copy phase this one waits for (stall accounting)
+    in_line: bool = False  # a copy the rank waits for in its chain (copies do not overlap compute)
     mem_delta: np.ndarray | None = None  # [W] bytes allocated (+) or freed (-) when it ends
     mem_transient: np.ndarray | None = None  # [W] bytes held only while it runs (comm buffers)
     fitted: bool = False  # its seconds come from fitted constants (the host cost of a stage)
@@ -276,7 +277,7 @@ class PhaseBuilder:
         data = dict(h2d=h2d, d2h=d2h, pages=pages, mem_delta=slots * self.page_bytes)
         if self.copies_overlap and layer >= 0:
             return self.add("paging", layer, "copy", "copy", (self.main,), **data)
-        return self.chain("paging", layer, "copy", "copy", **data)
+        return self.chain("paging", layer, "copy", "copy", in_line=True, **data)
 
     def exchange(self, layer, before, experts, after, n, copy, expert_work=None):
         """Token exchange -> experts -> token exchange, in n micro-batches (M22 when n > 1).

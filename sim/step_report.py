@@ -54,7 +54,11 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
     exposed = rank_time - busy[compute].sum(axis=0)
     stall = np.zeros(world)
     for p, ph in enumerate(phases):
-        if ph.waits_for_pages >= 0:
+        if ph.waits_for_pages >= 0 and phases[ph.waits_for_pages].in_line:
+            # the rank copied before it could go on (as a CPU rank's synchronous copies):
+            # the whole copy is time the experts waited for their pages
+            stall += tl.end[ph.waits_for_pages] - tl.start[ph.waits_for_pages]
+        elif ph.waits_for_pages >= 0:
             others = [d for d in ph.deps if d != ph.waits_for_pages]
             ready = np.max([tl.end[d] for d in others], axis=0) if others else np.full(world, tl.t0)
             stall += np.clip(tl.end[ph.waits_for_pages] - ready, 0, None)

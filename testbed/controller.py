@@ -80,6 +80,9 @@ class StepEnd:
     heat: HeatUpdate | None  # None when no heat update was due
     page_moves: MovesByRank = field(default_factory=MovesByRank)
     heat_ops: list[CollectiveOp] = field(default_factory=list)  # measured heat: its all-reduce
+    # after a heat update: per paged rank, its local expert instances cold-migrated (M13)
+    # and not brought back since (frozen: pages off the GPU, still routable, M19)
+    frozen: dict[int, int] | None = None
 
 
 class Controller:
@@ -285,4 +288,6 @@ class Controller:
                 local = self.local_instances(r)
                 per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
             moves = self.pool.call("heat_update", per_rank, self.step)
+            frozen = {r: len(self.pool.pager_of(r).frozen_experts()) for r in self.paged_ranks}
+            return StepEnd(update, moves, heat_ops, frozen)
         return StepEnd(update, moves, heat_ops)

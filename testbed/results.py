@@ -42,6 +42,7 @@ class StepRecord:
     aux_loss: float | None = None
     expert_states: dict[str, int] | None = None  # hot / warm / cold counts after a heat update
     moves_by_reason: dict[str, int] | None = None  # page-move rows per reason (testbed.page_moves.REASONS), all ranks
+    frozen_fraction: float | None = None  # after a heat update: share of all ranks' local experts frozen (M13, M19)
     wire_bytes_by_level: dict[str, int] | None = None  # nvlink, leaf, spine (see module doc)
     fitted_share: float | None = None  # simulator: fraction of the step's time from fitted constants
     extra: dict = field(default_factory=dict)
@@ -80,8 +81,8 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
         # whole run, warm-up included: the events a heat or paging sweep must see fire
         "moves_by_reason": sum_counts([r.moves_by_reason for r in records]),
         "heat_updates": sum(1 for r in records if r.expert_states is not None),
-        "max_frozen_fraction": max((r.expert_states.get("cold", 0) / max(1, sum(r.expert_states.values()))
-                                    for r in records if r.expert_states), default=0.0),
+        "max_frozen_fraction": max((r.frozen_fraction for r in records if r.frozen_fraction is not None),
+                                   default=0.0),
         "group_cache_hit_rate": (sum(r.cache_hits for r in measured) / lookups) if lookups else None,
         "wire_bytes_by_level": _mean_levels([r.wire_bytes_by_level for r in measured]),
         "fitted_share": statistics.median(f) if (f := [r.fitted_share for r in measured if r.fitted_share is not None]) else None,
@@ -89,6 +90,12 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
         "loss_last": losses[-1] if losses else None,
     })
     return out
+
+
+def frozen_fraction(frozen: dict[int, int] | None, local_experts: int) -> float | None:
+    """Frozen local experts summed over ranks (``StepEnd.frozen``) over all ranks' local
+    experts (``local_experts``), or None without a heat update."""
+    return None if frozen is None else sum(frozen.values()) / max(1, local_experts)
 
 
 def sum_counts(rows: list[dict | None]) -> dict[str, int] | None:
