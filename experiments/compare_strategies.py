@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from testbed.decisions import joined, ranking
 from testbed.experiment import ROOT, Experiment, experiment_main, figure
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
 from testbed.stages import TOKEN_STAGES
@@ -48,9 +49,8 @@ def analyse(result) -> dict:
     pts = result.points()
     head = {}
     for backend, key in (("sim", "sim_step_s"), ("real", "measured_step_s")):
-        sel = [p for p in pts if p[key] is not None]
-        if sel:
-            head[f"ranking_{backend}"] = [f"{p[TOKEN]}/{p[SYNC]}" for p in sorted(sel, key=lambda p: p[key])]
+        if any(p[key] is not None for p in pts):
+            head[f"ranking_{backend}"] = ranking(pts, joined(TOKEN, SYNC), key)
     return head
 
 

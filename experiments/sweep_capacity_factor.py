@@ -16,11 +16,10 @@ import sys
 
 import plotly.graph_objects as go
 
+from testbed.decisions import DROP_BUDGET, best_capacity_factor, groups
 from testbed.experiment import Experiment, both, experiment_base, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 
-#: the largest fraction of routed (token, expert) slots a "best" factor may drop
-DROP_BUDGET = 0.01
 CF, AUX, SKEW = "router.capacity_factor", "router.aux_loss_coef", "workload.skew"
 
 
@@ -38,14 +37,9 @@ def build(opts):
 
 def best_factors(points: list[dict], backend: str, time_key: str) -> dict[str, float | None]:
     """Setting (skew, aux) -> the best capacity factor on ``backend`` (see module doc)."""
-    out = {}
-    settings = {(p[SKEW], p[AUX]) for p in points}
-    for skew, aux in sorted(settings):
-        sel = [p for p in points if p[SKEW] == skew and p[AUX] == aux and p[time_key] is not None]
-        ok = [p for p in sel if (figure(p, backend, "dropped_token_fraction") or 0) <= DROP_BUDGET]
-        pick = min(ok, key=lambda p: p[time_key]) if ok else None
-        out[f"skew={skew:g} aux={aux:g}"] = None if pick is None else pick[CF]
-    return out
+    by_setting = groups(points, lambda p: f"skew={p[SKEW]:g} aux={p[AUX]:g}")
+    return {name: best_capacity_factor(sel, time_key, f"{backend}.dropped_token_fraction", DROP_BUDGET, CF)
+            for name, sel in by_setting.items()}
 
 
 def analyse(result) -> dict:

@@ -18,6 +18,7 @@ import sys
 
 import plotly.graph_objects as go
 
+from testbed.decisions import best_per_group
 from testbed.experiment import ROOT, Experiment, both, experiment_main, figure
 from testbed.html_page import category_ticks, legend_below, series_color
 
@@ -59,11 +60,8 @@ def analyse(result) -> dict:
         sel = [p for p in pts if p[key] is not None]
         if not sel:
             continue
-        best = {}
-        for k in dict.fromkeys(p[INTERVAL] for p in sel):
-            q = min((p for p in sel if p[INTERVAL] == k), key=lambda p: p[key])
-            best[f"interval={k}"] = [q[A], q[B], q[G]]
-        head[f"best_weights_{backend}"] = best
+        head[f"best_weights_{backend}"] = {f"interval={k}": [q[A], q[B], q[G]]
+                                           for k, q in best_per_group(sel, INTERVAL, key).items()}
         fired = {e: sum(events(p, backend)[e] for p in sel) for e in EVENTS}
         fired["frozen_share_max"] = max(figure(p, backend, "max_frozen_fraction") or 0 for p in sel)
         fired["heat_updates_min"] = min(figure(p, backend, "heat_updates") or 0 for p in sel)

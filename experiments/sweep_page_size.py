@@ -16,6 +16,7 @@ import sys
 
 import plotly.graph_objects as go
 
+from testbed.decisions import best_per_group
 from testbed.experiment import ROOT, Experiment, both, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 from testbed.units import parse_bytes
@@ -35,11 +36,8 @@ def build(opts):
 
 def optimum(points: list[dict], time_key: str) -> dict[str, str | None]:
     """Budget -> the page size with the shortest step."""
-    out = {}
-    for budget in dict.fromkeys(p[BUDGET] for p in points):
-        sel = [p for p in points if p[BUDGET] == budget and p[time_key] is not None]
-        out[str(budget)] = min(sel, key=lambda p: p[time_key])[PAGE] if sel else None
-    return out
+    return {str(budget): None if best is None else best[PAGE]
+            for budget, best in best_per_group(points, BUDGET, time_key).items()}
 
 
 def analyse(result) -> dict:

@@ -15,6 +15,7 @@ import sys
 
 import plotly.graph_objects as go
 
+from testbed.decisions import ranking
 from testbed.experiment import Experiment, experiment_base, experiment_main, figure
 from testbed.html_page import LEVEL_COLORS, category_ticks, legend_below
 from testbed.stages import TOKEN_STAGES
@@ -44,7 +45,7 @@ def analyse(result) -> dict:
             sel = {p[PLACE]: p for p in pts if p[EP] == ep and p[key] is not None}
             if "topology" not in sel:
                 continue
-            head[f"ranking_{backend}_ep{ep}"] = sorted(sel, key=lambda k: sel[k][key])
+            head[f"ranking_{backend}_ep{ep}"] = ranking(sel.values(), PLACE, key)
             t0 = token_time(sel["topology"], backend)
             for other in ("strided", "random"):
                 if other in sel and t0:

@@ -70,6 +70,17 @@ def _parser() -> argparse.ArgumentParser:
     fld = sub.add_parser("fields", help="list every scenario field with its default and meaning")
     fld.set_defaults(func=_cmd_fields)
 
+    reg = sub.add_parser("regress", help="run small simulator sweeps and compare their tuning decisions and key "
+                         "metrics with the golden file (exit 1 when one moved)")
+    reg.add_argument("--update", action="store_true", help="rewrite the golden file from this run and print the diff")
+    reg.add_argument("--golden", default=None, metavar="PATH",
+                     help="golden file (default: testbed/golden/regress.json in the package)")
+    reg.add_argument("--output-dir", default=None, help="keep the runs in this run store (default: a temporary "
+                     "folder, removed afterwards)")
+    reg.add_argument("--jobs", type=int, default=None, help="parallel simulator processes (default: every core)")
+    reg.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    reg.set_defaults(func=_cmd_regress)
+
     net = sub.add_parser("net", help="the emulated cluster network (real.network = emulated; needs root)")
     net_sub = net.add_subparsers(dest="net_command", required=True)
     ls = net_sub.add_parser("list", help="emulated clusters on this machine, their owner and whether it lives")
@@ -159,6 +170,13 @@ def _cmd_net_probe(args) -> int:
     result = probe_scenario(args.config, args.overrides, write=args.write)
     print(json.dumps(result) if args.json else format_probe(result))
     return 0
+
+
+def _cmd_regress(args) -> int:
+    from testbed.regress import main as regress
+
+    return regress(args.golden, update_golden=args.update, output_dir=args.output_dir,
+                   progress=not args.no_progress, jobs=args.jobs)
 
 
 def _cmd_check(args) -> int:
