@@ -174,7 +174,7 @@ def _run(exp: Experiment, args) -> int:
     headline = exp.analyse(result)
     report = Path(args.report or ROOT / "reports" / f"{exp.name}.html")
     table = write_table(result.rows(), report.with_suffix(".csv"))
-    note = (f"{exp.question}\n\n{exp.note}\n\nMeasured side: "
+    note = (f"{exp.note}\n\nMeasured side: "
             + (f"real CPU ranks on the {opts.fabric} fabric, {opts.repeats} runs a point; the simulator replays "
                f"each point's first real run's routing" if "real" in opts.backends else "none (simulator only)")
             + (f", profile {opts.profile} (calibrated in a separate run)" if opts.profile else "")

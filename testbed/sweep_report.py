@@ -41,7 +41,14 @@ def speedup_figure(points: list[dict]) -> go.Figure:
                      "array": [p["measured_speedup_range"][1] - p["measured_speedup"] for p in sel],
                      "arrayminus": [p["measured_speedup"] - p["measured_speedup_range"][0] for p in sel]},
             hovertemplate="%{text}<br>measured x%{x:.3f}<br>simulated x%{y:.3f}<extra></extra>"))
-        identity_axes(fig, [p[k] for p in sel for k in ("measured_speedup", "sim_speedup")], "speedup")
+        values = [p[k] for p in sel for k in ("measured_speedup", "sim_speedup")]
+        values += [x for p in sel for x in p["measured_speedup_range"]]
+        identity_axes(fig, values, "speedup")
+        # speedups sit near 1: show their range, not the axis from zero
+        lo, hi = min(values), max(values)
+        pad = 0.05 * max(hi - lo, 0.02)
+        fig.update_xaxes(range=[lo - pad, hi + pad], rangemode="normal")
+        fig.update_yaxes(range=[lo - pad, hi + pad], rangemode="normal")
     return legend_below(fig, "Simulated vs measured speedup over the baseline point", 520,
                         "on the dashed line the simulator predicts what was measured; bars: range over repeats")
 
@@ -83,7 +90,20 @@ def runs_table(result: SweepResult) -> str:
 
 
 def headline_table(headline: dict) -> str:
-    return table_html(["", "value"], [[k, v if isinstance(v, str) else repr(v)] for k, v in headline.items()])
+    """One row per figure; nested mappings (a best value per setting) one row per entry."""
+    rows = []
+    for k, v in headline.items():
+        for sub_key, sub_value in (v.items() if isinstance(v, dict) else [("", v)]):
+            rows.append([k, str(sub_key), _cell_text(sub_value)])
+    return table_html(["figure", "setting", "value"], rows)
+
+
+def _cell_text(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_cell_text(x) for x in v)
+    return str(v)
 
 
 def write_sweep_report(result: SweepResult, output: str | Path, title: str, note: str, headline: dict,
