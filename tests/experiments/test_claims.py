@@ -1,0 +1,152 @@
+"""experiments/claims.py: the verdict rules on given numbers, and one simulated --quick ledger."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "claims.py"
+IDS = [f"C{i}" for i in range(1, 17)]
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def claims():
+    spec = importlib.util.spec_from_file_location("claims", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- verdict rules ------------------------------------------------------------------------
+def test_from_checks_all_some_none_empty(claims):
+    assert claims.from_checks({"a": True, "b": True}) == (claims.HOLDS, ["a", "b"])
+    assert claims.from_checks({"a": True, "b": False}) == (claims.CONDITIONAL, ["a"])
+    assert claims.from_checks({"a": False}) == (claims.FAILS, [])
+    assert claims.from_checks({}) == (claims.UNTESTABLE, [])
+
+
+def test_c3_ratio_of_two_byte_counts_within_005_of_427(claims):
+    assert claims.c3_check(427, 1000) == (True, pytest.approx(0.427))
+    assert claims.c3_check(470, 1000)[0] and claims.c3_check(380, 1000)[0]  # inside +-0.05
+    assert not claims.c3_check(480, 1000)[0] and not claims.c3_check(370, 1000)[0]
+    assert claims.c3_check(1000, 1000) == (False, 1.0)  # the same bytes as the all-reduce
+
+
+def test_c14_drops_against_no_drop_budget(claims):
+    checks = claims.c14_checks({"skew 0": 0.0, "skew 0.5": 0.0009, "skew 1.5": 0.26})
+    assert checks == {"skew 0": True, "skew 0.5": True, "skew 1.5": False}
+    assert claims.from_checks(checks)[0] == claims.CONDITIONAL
+    assert claims.from_checks(claims.c14_checks({"a": 0.0, "b": 0.001}))[0] == claims.HOLDS
+    assert claims.from_checks(claims.c14_checks({"a": 0.0012}))[0] == claims.FAILS
+
+
+def test_c2_reduction_and_memory_condition(claims):
+    verdict, reduction = claims.c2_verdict(17.5e9, 28.3e9)
+    assert reduction == pytest.approx(0.3816, abs=1e-3)
+    assert verdict == claims.CONDITIONAL  # agrees, but only MoE-layer memory is counted
+    assert claims.c2_verdict(41.2e9, 47.5e9)[0] == claims.FAILS  # 13% less
+
+
+def test_c6_needs_more_than_four_replicas(claims):
+    assert claims.c6_check(2, 2.0) is None  # a group can never exceed 2: no test
+    assert claims.c6_check(8, 3.0) is True
+    assert claims.c6_check(45, 45.0) is False
+
+
+def test_c7_only_measured_routing_decides(claims):
+    assert claims.c7_verdict({})[0] == claims.UNTESTABLE
+    assert claims.c7_verdict({"a": 0.40})[0] == claims.HOLDS
+    assert claims.c7_verdict({"a": 0.0})[0] == claims.FAILS
+    assert claims.c7_verdict({"a": 0.30, "b": 0.0}) == (claims.CONDITIONAL, ["a"])
+
+
+def test_c8_best_page_size_and_margins(claims):
+    assert claims.c8_check({8 * MiB: 1.10, 16 * MiB: 1.00, 32 * MiB: 1.05}) is True
+    assert claims.c8_check({8 * MiB: 1.002, 16 * MiB: 1.00, 32 * MiB: 1.05}) is False  # 8 MiB within 0.5%
+    assert claims.c8_check({8 * MiB: 0.9, 16 * MiB: 1.00, 32 * MiB: 1.05}) is False
+    assert claims.c8_check({16 * 2**10: 1.0, 64 * 2**10: 0.9}) is None  # the claim's sizes were not run
+    assert claims.best_page_size({16 * 2**10: 1.0, 64 * 2**10: 0.9}) == 64 * 2**10
+
+
+def test_c10_c13_c15_and_c16_bands(claims):
+    assert claims.c10_checks(0.12, 0.003) == {"every step +12%": True, "every 10 steps +0.3%": True}
+    assert claims.c10_checks(0.03, 0.0005) == {"every step +12%": False, "every 10 steps +0.3%": True}
+    assert claims.c13_verdict(0.94e9, 30.1e9) == claims.CONDITIONAL
+    assert claims.c13_verdict(0.5e9, 16e9) == claims.FAILS
+    assert claims.from_checks(claims.c15_checks(0.49, 0.25))[0] == claims.FAILS
+    assert claims.from_checks(claims.c15_checks(0.60, 0.25))[0] == claims.CONDITIONAL
+    assert [claims.c16_band(x) for x in (0.1, 0.3, 0.5)] == [
+        "healthy (< 25%)", "between 25% and 35%", "A2A-bound (> 35%)"]
+
+
+def test_longest_zero_run(claims):
+    zero = np.array([[1, 0, 1], [1, 1, 1], [0, 1, 1], [1, 1, 0]], dtype=bool)
+    assert claims.longest_zero_run(zero).tolist() == [2, 3, 3]
+
+
+def test_report_formats_by_figure_name():
+    from testbed.claims_report import format_value
+
+    assert format_value("peak_memory_bytes", 3 * MiB) == "3.00 MiB (3.15e+06 B)"
+    assert format_value("two_stage_over_allreduce", 0.427) == "42.70%"
+    assert format_value("token_time_ratio", 3.2) == "x3.200"
+    assert format_value("expert_sync_nvlink_s", 0.0123) == "12.300 ms"
+    assert format_value("fits_in_device_memory", False) == "no"
+    assert format_value("anything", None) == "—"
+
+
+# ---- one ledger, simulated, quick --------------------------------------------------------
+def test_sim_quick_ledger_has_every_claim_with_its_runs(claims, tmp_path, capsys):
+    report = tmp_path / "claims.html"
+    args = ["--backends", "sim", "--quick", "--no-progress", "--json", "--output-dir", str(tmp_path / "runs"),
+            "--report", str(report)]
+    assert claims.main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    data = json.loads(report.with_suffix(".json").read_text())
+    assert printed["claims"] == data["claims"]
+    got = data["claims"]
+    assert [c["id"] for c in got] == IDS
+    assert all(c["verdict"] in claims.VERDICTS for c in got)
+    by = {c["id"]: c for c in got}
+    # what the testbed cannot test says why, and names no number
+    assert by["C1"]["verdict"] == claims.UNTESTABLE and by["C1"]["why"] and not by["C1"]["numbers"]
+    assert by["C9"]["verdict"] == claims.UNTESTABLE
+    assert by["C7"]["verdict"] == claims.UNTESTABLE  # synthetic routing only, without real ranks
+    # every number names runs of the ledger, and every run exists
+    for c in got:
+        if c["verdict"] != claims.UNTESTABLE or c["numbers"]:
+            assert c["why"]
+        run_ids = {r["run"] for r in c["runs"]}
+        for figs in c["numbers"].values():
+            assert figs["runs"] and set(figs["runs"]) <= run_ids
+        for r in c["runs"]:
+            assert (Path(r["run_dir"]) / "summary.json").is_file()
+            assert r["backend"] == "sim"
+    # claims with numbers from the simulator
+    for cid in ("C2", "C3", "C4", "C5", "C6", "C8", "C10", "C11", "C12", "C13", "C14", "C15", "C16"):
+        assert by[cid]["numbers"], cid
+    assert by["C3"]["verdict"] != claims.UNTESTABLE
+    ratios = [v["two_stage_over_allreduce"] for v in by["C3"]["numbers"].values()]
+    assert all(0 < r <= 1.0 + 1e-9 for r in ratios)
+    page = report.read_text()
+    assert "Claims ledger" in page and all(f">{cid}:" in page for cid in IDS)
+    assert (tmp_path / "index.html").is_file()
+    # a second ledger reuses every finished run
+    assert claims.main(args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [c["verdict"] for c in again["claims"]] == [c["verdict"] for c in got]
+    assert again["wall_s"] < data["wall_s"]
+
+
+def test_bad_backend_is_one_line_and_exit_2(claims, tmp_path, capsys):
+    assert claims.main(["--backends", "nope", "--report", str(tmp_path / "c.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backends" in err[0]
+    assert not (tmp_path / "c.html").exists()
