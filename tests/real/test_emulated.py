@@ -95,7 +95,10 @@ def _testbed(args, tmp_path):
     not hold a pipe of ours open)."""
     cmd = [sys.executable, "-m", "testbed.cli"] + args
     out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
-    return subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+    # as from a terminal: a shell starts background jobs (a CI script's, nohup's) with
+    # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt
+    return subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _stderr(tmp_path) -> str:
