@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,7 +142,9 @@ def test_testbed_net_clean_clears_up_after_a_killed_run(tmp_path, no_new_namespa
     _wait_for_a_step(tmp_path, proc)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     host = os.readlink("/proc/self/ns/net")
-    ranks = [int(pid) for pid in children if _netns(int(pid)) not in (None, host)]
+    # the ranks: spawned Python processes in namespaces of their own (the launcher also
+    # runs short-lived ip / tc commands inside namespaces, e.g. to read the link counters)
+    ranks = [int(pid) for pid in children if _netns(int(pid)) not in (None, host) and _is_spawned(int(pid))]
     assert len(ranks) == 8
     proc.kill()  # SIGKILL: no teardown can run
     proc.wait(timeout=30)
@@ -155,6 +158,14 @@ def test_testbed_net_clean_clears_up_after_a_killed_run(tmp_path, no_new_namespa
     # the orphaned ranks were inside those namespaces: they were ended too
     time.sleep(0.5)
     assert not [pid for pid in ranks if _alive(pid)]
+
+
+def _is_spawned(pid: int) -> bool:
+    """A process multiprocessing started with spawn (a rank), not a command."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _netns(pid: int) -> str | None:
