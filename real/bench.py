@@ -182,3 +182,41 @@ def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=Non
     if fabric is None:
         out["link_Bps"] = float(np.median([results[k]["link_Bps"] for k in results if results[k]["link_Bps"] > 0]))
     return out
+
+
+def page_touch_us(expert_bytes: int = 256 * 1024, small_page: int = 4096, experts: int = 8, reps: int = 20) -> dict:
+    """Host microseconds per page when the real backend reads an expert's weights to
+    compute (``PagedExpertStore.read``) and updates them in the optimizer step
+    (``update``), on a CPU rank: the time with ``small_page`` pages minus the time with
+    one page an expert, over the extra pages. All pages resident (no copies from host)."""
+    from real.paged_store import PagedExpertStore  # noqa: PLC0415 - the calibration's only store
+    from testbed.pager import RankPager  # noqa: PLC0415
+    from testbed.scenario import PagerConfig  # noqa: PLC0415
+
+    elems = expert_bytes // 4
+    grad = torch.full((elems,), 1e-3)
+
+    def timed(page_bytes: int) -> tuple[float, float, int]:
+        config = PagerConfig(page_size_bytes=page_bytes, gpu_budget_bytes=0, emergency_free_fraction=0.0)
+        pager = RankPager(0, range(experts), expert_bytes, config)
+        store = PagedExpertStore(pager, elems, torch.float32, torch.device("cpu"),
+                                 lambda i: torch.full((elems,), float(i)))
+        out = torch.empty(elems)
+        store.read(0, out)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for i in range(experts):
+                store.read(i, out)
+        read_s = (time.perf_counter() - t0) / (reps * experts)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for i in range(experts):
+                store.update(i, grad, 1e-6)
+        update_s = (time.perf_counter() - t0) / (reps * experts)
+        return read_s, update_s, pager.pages_per_expert
+
+    r_small, u_small, n_small = timed(small_page)
+    r_one, u_one, n_one = timed(expert_bytes)
+    extra = max(1, n_small - n_one)
+    return {"read_page_us": max(0.0, (r_small - r_one) / extra * 1e6),
+            "update_page_us": max(0.0, (u_small - u_one) / extra * 1e6)}

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from real.bench import ffn_seconds, measure_world
+from real.bench import ffn_seconds, measure_world, page_touch_us
 from real.launch import usable_cores
 from real.netem import EmulatedFabric
 from testbed.collectives import algorithm_steps
@@ -249,6 +249,7 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
     peak, curve = _gemm_curve()
     alone = {w: _alone(w) for w in worlds}
     copy_table, copy_latency = _copy_table()
+    touch = page_touch_us()  # per-page host cost of reading and updating paged weights
     torch.set_num_threads(threads)
     latency, scale, link_Bps = [], [], None
     for w in worlds:
@@ -272,7 +273,8 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
     how = ("Measured by `testbed calibrate --fabric %s` (real/calibrate.py, real/bench.py): the library's "
            "software latency per call and per algorithm step, fitted to tiny collectives of every kind and group "
            "size with all groups busy; compute contention per world size; expert FFN rate by tokens (fp32, H x F = "
-           "%d x %d); page copies by size; %s host cost per stage fitted to calibration scenarios (real minus "
+           "%d x %d); page copies by size; the host's cost per page of reading and updating paged weights (4 KiB "
+           "against whole-expert pages of 256 KiB experts); %s host cost per stage fitted to calibration scenarios (real minus "
            "simulated, per call; shapes H x F x tokens x experts %s) that no validation point shares."
            % (fabric, *FFN_SHAPE,
               "loopback link rate from ranks exchanging 8 MiB in pairs at once;" if fabric == "loopback"
@@ -291,7 +293,8 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
                                                                     bf16=base_profile.compute.peak_tflops.bf16,
                                                                     fp16=base_profile.compute.peak_tflops.fp16),
                         efficiency=Efficiency(grouped=tuple(map(tuple, curve)), loop=tuple(map(tuple, curve)))),
-        copy=CopyFigures(table=tuple(map(tuple, copy_table)), latency_us=copy_latency, overlap=0.0),
+        copy=CopyFigures(table=tuple(map(tuple, copy_table)), latency_us=copy_latency, overlap=0.0,
+                         read_page_us=touch["read_page_us"], update_page_us=touch["update_page_us"]),
         collectives=replace(base_profile.collectives,
                             algorithm=Algorithms(all_reduce="ring", reduce_scatter="all_reduce",
                                                  all_gather="ring", all_to_all_v="direct")),

@@ -98,6 +98,15 @@ class ComputeModel:
         """Seconds to copy one page host <-> device: latency + bytes / table bandwidth."""
         return self.profile.copy.time(page_bytes)
 
+    def page_read_time(self, pages):
+        """Host seconds to read ``pages`` pages of expert weights to compute (a CPU rank's
+        per-page cost, ``copy.read_page_us``; 0 on GPU profiles)."""
+        return np.asarray(pages, dtype=np.float64) * self.profile.copy.read_page_us * 1e-6 * self.scale
+
+    def page_update_time(self, pages):
+        """Host seconds to update ``pages`` pages of expert weights in the optimizer step."""
+        return np.asarray(pages, dtype=np.float64) * self.profile.copy.update_page_us * 1e-6 * self.scale
+
     def heat_update_time(self, experts: int) -> float:
         """One heat-map update over ``experts`` experts (M18)."""
         return experts * self.profile.overheads.heat_update_us_per_expert * 1e-6 * self.scale

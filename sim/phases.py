@@ -139,6 +139,8 @@ class PhaseBuilder:
         self.copies_overlap = copies_overlap
         m, w = scenario.model, layout.world
         self.page_bytes = scenario.pager.page_size_bytes
+        # pages an expert's weights are read or updated in (real/paged_store.py); unpaged: one tensor
+        self.pages_per_expert = -(-m.expert_bytes // self.page_bytes) if scenario.pager.enabled else 0
         self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
         self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
@@ -150,8 +152,11 @@ class PhaseBuilder:
         return np.take_along_axis(per_group[self.layout.group_of], self.local, axis=1)
 
     def expert_seconds(self, rows: np.ndarray, backward: bool) -> np.ndarray:
+        """[W] seconds of a layer's experts on each rank: the GEMMs, and reading the weights
+        of every expert that computes from its pages (forward, and again in the backward)."""
         m = self.s.model
-        return self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
+        gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
+        return gemm + self.compute.page_read_time((rows > 0).sum(axis=1) * self.pages_per_expert)
 
     def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
         m = self.s.model
@@ -213,11 +218,13 @@ class PhaseBuilder:
                 self.chain("dense_sync", batch[0].layer, "ops", "comm", ops=batch)
         else:
             self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
-        updated = np.zeros(w)
+        n_updated = np.zeros(w)  # local expert instances whose weights the step changes
         for r, inst in d.sync.updated.items():
-            updated[r] = len(inst) * m.expert_bytes
+            n_updated[r] = len(inst)
+        updated = n_updated * m.expert_bytes
         self.host("optimizer", -1, updated)
         opt = np.array([self.compute.optimizer_time(b + self.router_grad_bytes * m.num_layers) for b in updated])
+        opt = opt + self.compute.page_update_time(n_updated * self.pages_per_expert)  # page by page
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)

@@ -56,6 +56,10 @@ def _num(doc: str, check: Callable[[float], str | None] = positive):
     return field(metadata={"doc": doc, "kind": "float", "check": check})
 
 
+def _optional_num(doc: str, default: float, check: Callable[[float], str | None] = non_negative):
+    return field(default=default, metadata={"doc": doc, "kind": "float", "check": check, "optional": True})
+
+
 def _text(doc: str, choices: tuple[str, ...] = ()):
     return field(metadata={"doc": doc, "kind": "str", "choices": choices})
 
@@ -159,6 +163,12 @@ class CopyFigures:
     table: tuple[tuple[float, float], ...] = _curve("(page size MiB, GBps) of streamed pinned copies", positive)
     latency_us: float = _num("fixed cost per copy, us", non_negative)
     overlap: float = _num("fraction of copy time hidden behind concurrent compute", fraction)
+    # a CPU rank reads and updates an expert's weights page by page (real/paged_store.py):
+    # each page costs the host a fixed time, whatever its size (0: GPU profiles)
+    read_page_us: float = _optional_num("host cost, us, of reading one page of an expert's weights to compute "
+                                        "(measured by testbed calibrate)", 0.0)
+    update_page_us: float = _optional_num("host cost, us, of updating one page of an expert's weights in the "
+                                          "optimizer step (measured by testbed calibrate)", 0.0)
 
     def GBps(self, page_bytes):
         """Copy bandwidth (1e9 bytes/s) for pages of ``page_bytes``, interpolated in log size."""
@@ -180,9 +190,6 @@ class Algorithms:
     all_gather: str = _text("ring, or hierarchical (across nodes, then in each node)", ALGORITHMS["all_gather"])
     all_to_all_v: str = _text("direct (one message per pair)", ALGORITHMS["all_to_all_v"])
 
-
-def _optional_num(doc: str, default: float, check: Callable[[float], str | None] = non_negative):
-    return field(default=default, metadata={"doc": doc, "kind": "float", "check": check, "optional": True})
 
 
 @dataclass(frozen=True)

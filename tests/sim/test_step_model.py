@@ -138,3 +138,32 @@ def test_memory_counts_pages_activations_gradients_and_communicators(tmp_path):
     # h200 holds 512 MiB per communicator: world, EP group, replica group and cached groups
     assert rec_gpu.peak_memory_bytes - rec_cpu.peak_memory_bytes >= 3 * 512 * 2**20
     assert rec_cpu.extra["exposed_s_mean"] > 0 and len(rec_cpu.extra["layer_time_s"]) == 2
+
+
+def test_page_by_page_host_costs_scale_with_pages_per_expert(repo_root, tmp_path):
+    """A CPU rank reads (experts, their backward) and updates (optimizer) an expert's
+    weights page by page: with ``copy.read_page_us`` / ``update_page_us`` set, those stages
+    grow by the pages touched, so 8 KiB pages (40 an expert) cost 8x what 64 KiB pages (5)
+    do; without them (GPU and built-in CPU profiles) nothing changes."""
+    from dataclasses import replace
+
+    from testbed.profile import load_profile, save_profile
+    from testbed.runner import run_scenario
+    from testbed.scenario_file import load_scenario
+
+    base = load_profile("local-cpu")
+    costly = tmp_path / "costly.toml"
+    save_profile(replace(base, name="costly", copy=replace(base.copy, read_page_us=50.0, update_page_us=80.0)), costly)
+    stage = {}
+    for profile in ("local-cpu", str(costly)):
+        for page in ("8KiB", "64KiB"):
+            s = load_scenario(repo_root / "configs" / "paging-pressure.toml",
+                              [f"cluster.profile={profile!r}" if "/" in profile else f"cluster.profile={profile}",
+                               f"pager.page_size_bytes={page!r}", "sim.network_model=analytic",
+                               f"run.output_dir={str(tmp_path / 'runs')!r}"])
+            st = run_scenario(s, "sim")["stage_time_s"]
+            stage[profile != "local-cpu", page] = {k: st[k] for k in ("experts", "experts_backward", "optimizer")}
+    for k in ("experts", "experts_backward", "optimizer"):
+        extra = {page: stage[True, page][k] - stage[False, page][k] for page in ("8KiB", "64KiB")}
+        assert extra["64KiB"] > 0, k
+        assert extra["8KiB"] / extra["64KiB"] == pytest.approx(40 / 5, rel=0.01), k
