@@ -45,9 +45,9 @@ from testbed.backend import get_tool
 from testbed.errors import ScenarioError, run_as_command
 from testbed.links import fabric_blocks
 from testbed.profile import find_profile, load_profile
-from testbed.runner import run_scenario
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
 from testbed.stages import STAGES, TOKEN_STAGES
+from testbed.sweep import Sweep, run_sweep
 from testbed.topology import LEVELS
 from testbed.validation_emulated import write_emulated_report
 from testbed.validation_report import write_validation_report
@@ -168,14 +168,12 @@ def emulated_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict
     return points
 
 
-def measure(label: dict, scenario: Scenario, fresh: bool, repeats: int) -> dict:
-    """Measured: the mean of ``repeats`` separate real runs' medians (their spread is the
-    run-to-run noise); simulated: the simulator replaying the first run's routing (the
-    routing is the same in every repeat: same seeds)."""
-    reals = [run_scenario(scenario.replace(run={"output_dir": f"{scenario.run.output_dir}/repeat{i}"}), "real",
-                          reuse=not fresh) for i in range(repeats)]
+def measure(label: dict, scenario: Scenario, reals: list[dict], sim: dict) -> dict:
+    """One point from its runs (``run_sweep``): measured, the mean of ``reals``' medians
+    (separate real runs; their spread is the run-to-run noise); simulated, ``sim``, the
+    simulator replaying the first real run's routing (the same in every repeat: same
+    seeds)."""
     real = reals[0]
-    sim = run_scenario(scenario.replace(workload={"trace": real["run_dir"]}), "sim", reuse=not fresh)
     m, p = statistics.mean(r["step_time_s"] for r in reals), sim["step_time_s"]
     spread = (max(r["step_time_s"] for r in reals) - min(r["step_time_s"] for r in reals)) / m
     stages = {}
@@ -345,14 +343,17 @@ def _run(args) -> int:
         grid = emulated_grid(args.quick, args.output_dir, args.profile)
     else:
         grid = cpu_grid(args.quick, args.output_dir, args.profile) + gpu_grid(args.quick, args.output_dir, args.profile)
-    points = []
     started = time.perf_counter()
-    for i, (label, scenario) in enumerate(grid, 1):
-        points.append(measure(label, scenario, args.fresh, args.repeats))
+    sweep = Sweep.of_scenarios(f"validate-{args.fabric}", [s for _, s in grid], backends=("sim", "real"),
+                               repeats=args.repeats)
+    result = run_sweep(sweep, fresh=args.fresh)
+    points = []
+    for i, (label, scenario) in enumerate(grid):
+        reals = [result.summaries[(i, "real", r)] for r in range(args.repeats)]
+        points.append(measure(label, scenario, reals, result.summaries[(i, "sim", 0)]))
         p = points[-1]
-        print(f"[{i}/{len(grid)}] {_name(p)} x{p['world']}: measured {p['measured_step_s'] * 1e3:.1f} ms, "
-              f"simulated {p['simulated_step_s'] * 1e3:.1f} ms ({100 * p['rel_error']:+.1f}%) "
-              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        print(f"{_name(p)} x{p['world']}: measured {p['measured_step_s'] * 1e3:.1f} ms, "
+              f"simulated {p['simulated_step_s'] * 1e3:.1f} ms ({100 * p['rel_error']:+.1f}%)", file=sys.stderr)
     if emulated:
         pairs = knob_pairs(points)
         summary = summarize_emulated(points, pairs)

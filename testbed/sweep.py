@@ -78,6 +78,16 @@ class Sweep:
         keys = list(self.axes)
         return [dict(zip(keys, values)) for values in itertools.product(*(self.axes[k] for k in keys))]
 
+    @classmethod
+    def of_scenarios(cls, name: str, scenarios: list[Scenario], **kw) -> "Sweep":
+        """A sweep whose points are whole scenarios (grids no product of axes describes):
+        the first is the base, every other point the fields in which it differs."""
+        if not scenarios:
+            raise ScenarioError("sweep", name, "no scenario to run")
+        base = _flat_fields(scenarios[0].to_dict())
+        points = [{k: v for k, v in _flat_fields(s.to_dict()).items() if base.get(k) != v} for s in scenarios]
+        return cls(name, scenarios[0], points=points, **kw)
+
     @property
     def keys(self) -> list[str]:
         """The scenario keys the points set, in order of first appearance."""
@@ -85,6 +95,12 @@ class Sweep:
         for p in self.grid():
             out += [k for k in p if k not in out]
         return out
+
+
+def _flat_fields(data: dict) -> dict[str, Any]:
+    """``section.key`` -> value of a scenario mapping (its sections' fields)."""
+    return {f"{section}.{k}": v for section, table in data.items() if isinstance(table, dict)
+            for k, v in table.items()}
 
 
 def point_label(point: dict[str, Any]) -> str:

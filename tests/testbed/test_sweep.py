@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from testbed.errors import ScenarioError
 from testbed.runs import read_index
@@ -159,3 +160,16 @@ def test_paired_sweep_replays_each_points_real_routing(tmp_path, two_ranks):
         # same routing on both sides: the planner's bytes per level are the same
         assert sim_summary["bytes_by_level"] == result.summaries[(p["point"], "real", 0)]["bytes_by_level"]
     assert pts[0]["measured_speedup"] == 1.0
+
+
+def test_a_sweep_of_whole_scenarios_runs_each_as_given(tmp_path):
+    """Points that are whole scenarios (the validation's grids): each run is the scenario
+    given, whatever fields it changes against the first."""
+    a = tiny(tmp_path)
+    b = tiny(tmp_path, cluster={"nodes_per_microcluster": 1}, workload={"skew": 0.5})
+    sweep = Sweep.of_scenarios("whole", [a, b])
+    assert sweep.grid() == [{}, {"cluster.nodes_per_microcluster": 1, "workload.skew": 0.5}]
+    result = run_sweep(sweep, jobs=1, progress=False)
+    ran = [Scenario.from_dict(tomllib.loads((Path(result.summaries[(i, "sim", 0)]["run_dir"])
+                                                           / "scenario.toml").read_text())) for i in (0, 1)]
+    assert [s.world_size for s in ran] == [4, 2] and [s.workload.skew for s in ran] == [a.workload.skew, 0.5]
