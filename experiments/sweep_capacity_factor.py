@@ -17,7 +17,7 @@ import sys
 import plotly.graph_objects as go
 
 from testbed.decisions import DROP_BUDGET, best_capacity_factor, groups
-from testbed.experiment import Experiment, both, experiment_base, experiment_main, figure
+from testbed.experiment import PEAK_MEMORY_COLUMN, Experiment, both, experiment_base, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 
 CF, AUX, SKEW = "router.capacity_factor", "router.aux_loss_coef", "workload.skew"
@@ -91,7 +91,7 @@ EXPERIMENT = Experiment(
          "of routed slots. Capacity factor 0 is dropless. Loss is the task loss of the last step.",
     columns=[("dropped sim / real", lambda p: both(p, "dropped_token_fraction", lambda v: f"{100 * v:.2f}%")),
              ("loss last sim / real", lambda p: both(p, "loss_last", lambda v: f"{v:.4f}")),
-             ("peak memory sim / real", lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))])
+             PEAK_MEMORY_COLUMN])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

@@ -14,7 +14,7 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import Experiment, both, experiment_base, experiment_main, figure
+from testbed.experiment import PEAK_MEMORY_COLUMN, Experiment, both, experiment_base, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 
 SIZE = "comm.group_cache_size"
@@ -60,7 +60,7 @@ EXPERIMENT = Experiment(
          "new_group for cached groups over the whole run (gloo; NCCL's communicators cost far more).",
     columns=[("hit rate sim / real", lambda p: both(p, "group_cache_hit_rate", lambda v: f"{100 * v:.1f}%")),
              ("creation (real)", lambda p: f"{1e3 * (figure(p, 'real', 'group_create_s') or 0):.1f} ms"),
-             ("peak memory sim / real", lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))])
+             PEAK_MEMORY_COLUMN])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

@@ -17,7 +17,7 @@ import sys
 import plotly.graph_objects as go
 
 from testbed.decisions import best_per_group
-from testbed.experiment import ROOT, Experiment, both, experiment_main, figure
+from testbed.experiment import PEAK_MEMORY_COLUMN, ROOT, Experiment, both, experiment_main, figure
 from testbed.html_page import legend_below, series_color
 from testbed.units import parse_bytes
 
@@ -88,7 +88,7 @@ EXPERIMENT = Experiment(
          "loaded, written back or dropped per step over all ranks. Peak memory: the largest over ranks.",
     columns=[("page moves sim / real", lambda p: both(p, "page_moves_per_step", lambda v: f"{v:.0f}")),
              ("stall sim / real", lambda p: both(p, "page_stall_s", lambda v: f"{1e3 * v:.2f} ms")),
-             ("peak memory sim / real", lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))])
+             PEAK_MEMORY_COLUMN])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

@@ -237,3 +237,8 @@ def figure(point: dict, backend: str, key: str):
 def both(point: dict, key: str, fmt: Callable[[float], str]) -> str:
     """``simulated / measured`` of one figure, each formatted by ``fmt`` (— where missing)."""
     return " / ".join("—" if (v := figure(point, b, key)) is None else fmt(v) for b in ("sim", "real"))
+
+
+#: the report column of peak memory per GPU (MiB), simulated / measured
+PEAK_MEMORY_COLUMN = ("peak memory sim / real",
+                      lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))
