@@ -33,7 +33,7 @@ def analyse(result) -> dict:
     pts = result.points()
     head = {}
     for backend in ("sim", "real"):
-        rates = {p[SIZE]: figure(p, backend, "group_cache_hit_rate") for p in pts if figure(p, backend, "group_cache_hit_rate") is not None}
+        rates = {p[SIZE]: rate for p in pts if (rate := figure(p, backend, "group_cache_hit_rate")) is not None}
         if rates:
             head[f"hit_rate_{backend}"] = rates
             best = max(rates.values())
@@ -47,9 +47,12 @@ def figures(result, headline) -> list:
     for i, (backend, name) in enumerate((("sim", "simulated"), ("real", "measured"))):
         sel = [p for p in pts if figure(p, backend, "group_cache_hit_rate") is not None]
         if sel:
-            fig.add_trace(go.Scatter(x=[p[SIZE] for p in sel], y=[100 * figure(p, backend, "group_cache_hit_rate") for p in sel],
+            fig.add_trace(go.Scatter(x=[p[SIZE] for p in sel],
+                                     y=[100 * figure(p, backend, "group_cache_hit_rate") for p in sel],
                                      mode="lines+markers", name=name, marker_color=series_color(i)))
-    fig.update_xaxes(title="group cache size (groups)", type="log")
+    sizes = [p[SIZE] for p in pts]
+    fig.update_xaxes(title="group cache size, groups (log scale)", type="log", tickvals=sizes,
+                     ticktext=[str(x) for x in sizes])
     fig.update_yaxes(title="hit rate, % of lookups", range=[0, 101])
     return [legend_below(fig, "Group cache hit rate vs size", 440)]
 

@@ -70,13 +70,16 @@ def figures(result, headline) -> list:
                                          name=f"{'simulated' if backend == 'sim' else 'measured'}, budget {budget}"))
                 opt = [p for p in sel if p[PAGE] == best.get(str(budget))]
                 if key == "step_time_s" and opt:
-                    fig.add_trace(go.Scatter(x=[parse_bytes(opt[0][PAGE]) / 1024], y=[figure(opt[0], backend, key) * scale],
+                    fig.add_trace(go.Scatter(x=[parse_bytes(opt[0][PAGE]) / 1024],
+                                             y=[figure(opt[0], backend, key) * scale],
                                              mode="markers", marker={"symbol": "star", "size": 16,
                                                                      "color": series_color(k)},
                                              name=f"optimum ({'simulated' if backend == 'sim' else 'measured'}, "
                                                   f"budget {budget})"))
                 k += 1
-        fig.update_xaxes(title="page size, KiB", type="log")
+        sizes = sorted({parse_bytes(p[PAGE]) / 1024 for p in pts})
+        fig.update_xaxes(title="page size, KiB (log scale)", type="log", tickvals=sizes,
+                         ticktext=[f"{x:g}" for x in sizes])
         fig.update_yaxes(title=unit, rangemode="tozero")
         figs.append(legend_below(fig, title, 460, "solid: simulated, dotted: measured; star: shortest step"))
     return figs
