@@ -45,7 +45,7 @@ import numpy as np
 
 from testbed.claims_report import write_claims_report
 from testbed.errors import run_as_command
-from testbed.experiment import ROOT, Experiment, Options, parser, resolve_options
+from testbed.experiment import ROOT, Experiment, Options, parser, resolve_options, writable_report
 from testbed.files import write_atomic
 from testbed.links import fabric_blocks
 from testbed.profile import load_profile, save_profile
@@ -1157,6 +1157,7 @@ def build_ledger(args) -> Ledger:
 
 def _run(args) -> int:
     start = time.perf_counter()
+    report = writable_report(args.report or ROOT / "reports" / f"{NAME}.html")
     ledger = build_ledger(args)
     claims, claim_wall = [], {}
     for fn in CLAIM_FUNCTIONS:
@@ -1165,7 +1166,6 @@ def _run(args) -> int:
         claim_wall[claims[-1]["id"]] = time.perf_counter() - t0
     for cl in claims:
         assert cl["verdict"] in VERDICTS, cl
-    report = Path(args.report or ROOT / "reports" / f"{NAME}.html")
     out_json = report.with_suffix(".json")
     opts = ledger.opts
     meta = {"backends": list(opts.backends), "quick": opts.quick, "fabric": opts.fabric if ledger.real else None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -165,14 +166,27 @@ def _executor(spec: str) -> tuple[str, str | None]:
     return kind, (address or None)
 
 
+def writable_report(path: str | Path) -> Path:
+    """``path``, once its folder exists and takes files (checked before any run, so a sweep
+    never finishes to find it cannot write its report)."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}."):
+            pass
+    except OSError as e:
+        raise ScenarioError("--report", str(path), f"cannot write there ({e.strerror or e})") from None
+    return out
+
+
 def _run(exp: Experiment, args) -> int:
+    report = writable_report(args.report or ROOT / "reports" / f"{exp.name}.html")
     opts = resolve_options(args)
     sweep = exp.build(opts)
     kind, address = _executor(args.executor)
     result = run_sweep(sweep, jobs=args.jobs, executor=kind, address=address, fresh=args.fresh,
                        progress=not args.no_progress)
     headline = exp.analyse(result)
-    report = Path(args.report or ROOT / "reports" / f"{exp.name}.html")
     table = write_table(result.rows(), report.with_suffix(".csv"))
     note = (f"{exp.note}\n\nMeasured side: "
             + (f"real CPU ranks on the {opts.fabric} fabric, {opts.repeats} runs a point; the simulator replays "

@@ -275,6 +275,8 @@ def run_sweep(sweep: Sweep, *, jobs: int | None = None, executor: str = "local",
         raise ScenarioError("--executor", executor, "expected one of " + ", ".join(EXECUTORS))
     if sweep.repeats < 1:
         raise ScenarioError("--repeats", sweep.repeats, "must be at least 1")
+    if jobs is not None and jobs < 1:
+        raise ScenarioError("--jobs", jobs, "must be at least 1 (or left out: every core)")
     start = time.perf_counter()
     output_dir = Path(sweep.base.run.output_dir).resolve()
     base = sweep.base.replace(run={"output_dir": str(output_dir)})

@@ -32,8 +32,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     script = load_script()
     assert script.main(["--backends", "nope", "--output", str(tmp_path / "r.html")]) == 2
     assert script.main(["--backends", "sim", "--set", "router.capacity_factr=1", "--output", str(tmp_path / "r.html")]) == 2
+    assert script.main(["--backends", "sim", "--jobs", "0", "--output", str(tmp_path / "r.html")]) == 2
+    # a report that cannot be written is refused before any run, not after the sweep
+    assert script.main(["--backends", "sim", "--output", "/proc/no/r.html"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "--backends" in err[0] and "capacity_factr" in err[1]
+    assert len(err) == 4 and "--backends" in err[0] and "capacity_factr" in err[1]
+    assert "--jobs = 0" in err[2] and "--report = '/proc/no/r.html': cannot write there" in err[3]
     assert not (tmp_path / "r.html").exists()
 
 
