@@ -19,7 +19,7 @@ import sys
 import plotly.graph_objects as go
 
 from testbed.decisions import best_per_group
-from testbed.experiment import ROOT, Experiment, both, experiment_main, figure
+from testbed.experiment import PEAK_MEMORY_COLUMN, ROOT, Experiment, both, experiment_main, figure
 from testbed.html_page import category_ticks, legend_below, series_color
 
 A, B, G, INTERVAL = "heat.alpha", "heat.beta", "heat.gamma", "heat.update_interval"
@@ -93,6 +93,8 @@ EXPERIMENT = Experiment(
          "largest fraction of experts in the Cold state after any heat update.",
     columns=[("cold / wake / prefetch (sim)", lambda p: "{cold} / {wake} / {prefetch}".format(**events(p, "sim"))),
              ("cold / wake / prefetch (real)", lambda p: "{cold} / {wake} / {prefetch}".format(**events(p, "real"))),
+             PEAK_MEMORY_COLUMN,
+             ("stall sim / real", lambda p: both(p, "page_stall_s", lambda v: f"{1e3 * v:.2f} ms")),
              ("frozen max sim / real", lambda p: both(p, "max_frozen_fraction", lambda v: f"{100 * v:.0f}%")),
              ("heat stage sim / real", lambda p: both(p, "stage_time_s", lambda v: f"{1e3 * v.get('heat', 0):.2f} ms"))])
 
