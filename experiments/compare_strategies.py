@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 
 from testbed.decisions import joined, ranking
-from testbed.experiment import ROOT, Experiment, experiment_main, figure
+from testbed.experiment import ROOT, Experiment, experiment_main
+from testbed.run_figures import token_share
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
-from testbed.stages import TOKEN_STAGES
 
 TOKEN, SYNC = "comm.token_strategy", "comm.expert_sync"
 DEFAULT_CONFIG = ROOT / "configs" / "quickstart.toml"
@@ -37,14 +37,6 @@ def build(opts):
 
 
 
-def token_share(p: dict, backend: str) -> float | None:
-    """Fraction of the step spent in the token stages (dispatch, combine, their backward)."""
-    st, step = figure(p, backend, "stage_time_s"), figure(p, backend, "step_time_s")
-    if not st or not step:
-        return None
-    return sum(st.get(s, 0.0) for s in TOKEN_STAGES) / step
-
-
 def analyse(result) -> dict:
     pts = result.points()
     head = {}
@@ -58,7 +50,7 @@ EXPERIMENT = Experiment(
     name="compare_strategies", question=__doc__.split("\n")[0], build=build, analyse=analyse,
     note="Ranking: fastest first. Token share: the fraction of the step in dispatch, combine and their backward.",
     columns=[("token share sim / real", lambda p: " / ".join(
-        "—" if token_share(p, b) is None else f"{100 * token_share(p, b):.0f}%" for b in ("sim", "real")))])
+        "—" if (v := token_share(p.get(b) or {})) is None else f"{100 * v:.0f}%" for b in ("sim", "real")))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from testbed.decisions import ranking
 from testbed.experiment import Experiment, experiment_base, experiment_main, figure
 from testbed.html_page import LEVEL_COLORS, category_ticks, legend_below
-from testbed.stages import TOKEN_STAGES
+from testbed.run_figures import token_time
 from testbed.topology import LEVELS
 
 PLACE, EP = "parallelism.placement", "parallelism.ep_size"
@@ -31,12 +31,6 @@ def build(opts):
     return opts.sweep("sweep_placement", base, axes=axes, baseline={EP: 2, PLACE: "topology"})
 
 
-def token_time(p: dict, backend: str) -> float | None:
-    """Seconds a step spends in the token stages (dispatch, combine and their backward)."""
-    st = figure(p, backend, "stage_time_s")
-    return sum(st.get(s, 0.0) for s in TOKEN_STAGES) if st else None
-
-
 def analyse(result) -> dict:
     pts = result.points()
     head = {}
@@ -46,10 +40,11 @@ def analyse(result) -> dict:
             if "topology" not in sel:
                 continue
             head[f"ranking_{backend}_ep{ep}"] = ranking(sel.values(), PLACE, key)
-            t0 = token_time(sel["topology"], backend)
+            t0 = token_time(sel["topology"].get(backend) or {})
             for other in ("strided", "random"):
                 if other in sel and t0:
-                    head[f"token_time_ratio_{other}_vs_topology_{backend}_ep{ep}"] = token_time(sel[other], backend) / t0
+                    ratio = token_time(sel[other].get(backend) or {}) / t0
+                    head[f"token_time_ratio_{other}_vs_topology_{backend}_ep{ep}"] = ratio
     return head
 
 
@@ -69,8 +64,8 @@ EXPERIMENT = Experiment(
     name="sweep_placement", question=__doc__.split("\n")[0], build=build, analyse=analyse, figures=figures,
     note="Token time: seconds in dispatch, combine and their backward. Bytes per level are the planner's payload "
          "for the routing each point ran (identical on both backends for the same routing).",
-    columns=[("token time sim / real", lambda p: f"{(token_time(p, 'sim') or 0) * 1e3:.2f} / "
-              f"{(token_time(p, 'real') or 0) * 1e3:.2f} ms")])
+    columns=[("token time sim / real", lambda p: f"{(token_time(p.get('sim') or {}) or 0) * 1e3:.2f} / "
+              f"{(token_time(p.get('real') or {}) or 0) * 1e3:.2f} ms")])
 
 if __name__ == "__main__":
     sys.exit(experiment_main(EXPERIMENT))

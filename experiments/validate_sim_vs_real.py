@@ -43,7 +43,7 @@ import torch
 
 from testbed.backend import get_tool
 from testbed.errors import ScenarioError, run_as_command
-from testbed.links import fabric_blocks
+from testbed.links import capacity_by_level
 from testbed.profile import find_profile, load_profile
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
 from testbed.stages import STAGES, TOKEN_STAGES
@@ -207,10 +207,7 @@ def network_figures(scenario: Scenario, reals: list[dict], sim: dict) -> dict:
     share = statistics.mean(sum(r["stage_time_s"][st] for st in NETWORK_STAGES) / r["step_time_s"] for r in reals)
     wire_m = {lv: statistics.mean(r["wire_bytes_by_level"][lv] for r in reals) for lv in LEVELS[:3]}
     wire_s = sim["wire_bytes_by_level"]
-    capacity = {lv: 0.0 for lv in LEVELS[:3]}
-    for fig in fabric_blocks(scenario.cluster, load_profile(scenario.cluster.profile)).values():
-        if fig.level < 3:
-            capacity[LEVELS[fig.level]] += fig.count * fig.bandwidth
+    capacity = capacity_by_level(scenario.cluster, load_profile(scenario.cluster.profile))
     used = [lv for lv in LEVELS[:3] if wire_m[lv] > 0 or wire_s[lv] > 0]
     return {
         "network_share": share,

@@ -107,3 +107,12 @@ def path_latency_s(cluster, profile, src: int, dst: int) -> float:
     its links' latencies."""
     blocks = fabric_blocks(cluster, profile)
     return sum(blocks[b].latency for b, _ in route(cluster, src, dst))
+
+
+def capacity_by_level(cluster, profile) -> dict[str, float]:
+    """Bytes per second of all directed links of each level (``LEVELS``) together: what a
+    level's utilisation divides by (wire bytes per step / (capacity x step time))."""
+    cap = {lv: 0.0 for lv in LEVELS}
+    for fig in fabric_blocks(cluster, profile).values():
+        cap[LEVELS[fig.level]] += fig.count * fig.bandwidth
+    return cap

@@ -1,4 +1,5 @@
-"""experiments/claims.py: the verdict rules on given numbers, and one simulated --quick ledger."""
+"""The claims ledger: the verdict rules (testbed.verdicts) on given numbers, and one simulated
+--quick ledger (experiments/claims.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from testbed import run_figures as F
+from testbed import verdicts as V
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "claims.py"
 IDS = [f"C{i}" for i in range(1, 17)]
@@ -25,70 +29,70 @@ def claims():
 
 
 # ---- verdict rules ------------------------------------------------------------------------
-def test_from_checks_all_some_none_empty(claims):
-    assert claims.from_checks({"a": True, "b": True}) == (claims.HOLDS, ["a", "b"])
-    assert claims.from_checks({"a": True, "b": False}) == (claims.CONDITIONAL, ["a"])
-    assert claims.from_checks({"a": False}) == (claims.FAILS, [])
-    assert claims.from_checks({}) == (claims.UNTESTABLE, [])
+def test_from_checks_all_some_none_empty():
+    assert V.from_checks({"a": True, "b": True}) == (V.HOLDS, ["a", "b"])
+    assert V.from_checks({"a": True, "b": False}) == (V.CONDITIONAL, ["a"])
+    assert V.from_checks({"a": False}) == (V.FAILS, [])
+    assert V.from_checks({}) == (V.UNTESTABLE, [])
 
 
-def test_c3_ratio_of_two_byte_counts_within_005_of_427(claims):
-    assert claims.c3_check(427, 1000) == (True, pytest.approx(0.427))
-    assert claims.c3_check(470, 1000)[0] and claims.c3_check(380, 1000)[0]  # inside +-0.05
-    assert not claims.c3_check(480, 1000)[0] and not claims.c3_check(370, 1000)[0]
-    assert claims.c3_check(1000, 1000) == (False, 1.0)  # the same bytes as the all-reduce
+def test_c3_ratio_of_two_byte_counts_within_005_of_427():
+    assert V.c3_check(427, 1000) == (True, pytest.approx(0.427))
+    assert V.c3_check(470, 1000)[0] and V.c3_check(380, 1000)[0]  # inside +-0.05
+    assert not V.c3_check(480, 1000)[0] and not V.c3_check(370, 1000)[0]
+    assert V.c3_check(1000, 1000) == (False, 1.0)  # the same bytes as the all-reduce
 
 
-def test_c14_drops_against_no_drop_budget(claims):
-    checks = claims.c14_checks({"skew 0": 0.0, "skew 0.5": 0.0009, "skew 1.5": 0.26})
+def test_c14_drops_against_no_drop_budget():
+    checks = V.c14_checks({"skew 0": 0.0, "skew 0.5": 0.0009, "skew 1.5": 0.26})
     assert checks == {"skew 0": True, "skew 0.5": True, "skew 1.5": False}
-    assert claims.from_checks(checks)[0] == claims.CONDITIONAL
-    assert claims.from_checks(claims.c14_checks({"a": 0.0, "b": 0.001}))[0] == claims.HOLDS
-    assert claims.from_checks(claims.c14_checks({"a": 0.0012}))[0] == claims.FAILS
+    assert V.from_checks(checks)[0] == V.CONDITIONAL
+    assert V.from_checks(V.c14_checks({"a": 0.0, "b": 0.001}))[0] == V.HOLDS
+    assert V.from_checks(V.c14_checks({"a": 0.0012}))[0] == V.FAILS
 
 
-def test_c2_reduction_and_memory_condition(claims):
-    verdict, reduction = claims.c2_verdict(17.5e9, 28.3e9)
+def test_c2_reduction_and_memory_condition():
+    verdict, reduction = V.c2_verdict(17.5e9, 28.3e9)
     assert reduction == pytest.approx(0.3816, abs=1e-3)
-    assert verdict == claims.CONDITIONAL  # agrees, but only MoE-layer memory is counted
-    assert claims.c2_verdict(41.2e9, 47.5e9)[0] == claims.FAILS  # 13% less
+    assert verdict == V.CONDITIONAL  # agrees, but only MoE-layer memory is counted
+    assert V.c2_verdict(41.2e9, 47.5e9)[0] == V.FAILS  # 13% less
 
 
-def test_c6_needs_more_than_four_replicas(claims):
-    assert claims.c6_check(2, 2.0) is None  # a group can never exceed 2: no test
-    assert claims.c6_check(8, 3.0) is True
-    assert claims.c6_check(45, 45.0) is False
+def test_c6_needs_more_than_four_replicas():
+    assert V.c6_check(2, 2.0) is None  # a group can never exceed 2: no test
+    assert V.c6_check(8, 3.0) is True
+    assert V.c6_check(45, 45.0) is False
 
 
-def test_c7_only_measured_routing_decides(claims):
-    assert claims.c7_verdict({})[0] == claims.UNTESTABLE
-    assert claims.c7_verdict({"a": 0.40})[0] == claims.HOLDS
-    assert claims.c7_verdict({"a": 0.0})[0] == claims.FAILS
-    assert claims.c7_verdict({"a": 0.30, "b": 0.0}) == (claims.CONDITIONAL, ["a"])
+def test_c7_only_measured_routing_decides():
+    assert V.c7_verdict({})[0] == V.UNTESTABLE
+    assert V.c7_verdict({"a": 0.40})[0] == V.HOLDS
+    assert V.c7_verdict({"a": 0.0})[0] == V.FAILS
+    assert V.c7_verdict({"a": 0.30, "b": 0.0}) == (V.CONDITIONAL, ["a"])
 
 
-def test_c8_best_page_size_and_margins(claims):
-    assert claims.c8_check({8 * MiB: 1.10, 16 * MiB: 1.00, 32 * MiB: 1.05}) is True
-    assert claims.c8_check({8 * MiB: 1.002, 16 * MiB: 1.00, 32 * MiB: 1.05}) is False  # 8 MiB within 0.5%
-    assert claims.c8_check({8 * MiB: 0.9, 16 * MiB: 1.00, 32 * MiB: 1.05}) is False
-    assert claims.c8_check({16 * 2**10: 1.0, 64 * 2**10: 0.9}) is None  # the claim's sizes were not run
-    assert claims.best_page_size({16 * 2**10: 1.0, 64 * 2**10: 0.9}) == 64 * 2**10
+def test_c8_best_page_size_and_margins():
+    assert V.c8_check({8 * MiB: 1.10, 16 * MiB: 1.00, 32 * MiB: 1.05}) is True
+    assert V.c8_check({8 * MiB: 1.002, 16 * MiB: 1.00, 32 * MiB: 1.05}) is False  # 8 MiB within 0.5%
+    assert V.c8_check({8 * MiB: 0.9, 16 * MiB: 1.00, 32 * MiB: 1.05}) is False
+    assert V.c8_check({16 * 2**10: 1.0, 64 * 2**10: 0.9}) is None  # the claim's sizes were not run
+    assert V.best_page_size({16 * 2**10: 1.0, 64 * 2**10: 0.9}) == 64 * 2**10
 
 
-def test_c10_c13_c15_and_c16_bands(claims):
-    assert claims.c10_checks(0.12, 0.003) == {"every step +12%": True, "every 10 steps +0.3%": True}
-    assert claims.c10_checks(0.03, 0.0005) == {"every step +12%": False, "every 10 steps +0.3%": True}
-    assert claims.c13_verdict(0.94e9, 30.1e9) == claims.CONDITIONAL
-    assert claims.c13_verdict(0.5e9, 16e9) == claims.FAILS
-    assert claims.from_checks(claims.c15_checks(0.49, 0.25))[0] == claims.FAILS
-    assert claims.from_checks(claims.c15_checks(0.60, 0.25))[0] == claims.CONDITIONAL
-    assert [claims.c16_band(x) for x in (0.1, 0.3, 0.5)] == [
+def test_c10_c13_c15_and_c16_bands():
+    assert V.c10_checks(0.12, 0.003) == {"every step +12%": True, "every 10 steps +0.3%": True}
+    assert V.c10_checks(0.03, 0.0005) == {"every step +12%": False, "every 10 steps +0.3%": True}
+    assert V.c13_verdict(0.94e9, 30.1e9) == V.CONDITIONAL
+    assert V.c13_verdict(0.5e9, 16e9) == V.FAILS
+    assert V.from_checks(V.c15_checks(0.49, 0.25))[0] == V.FAILS
+    assert V.from_checks(V.c15_checks(0.60, 0.25))[0] == V.CONDITIONAL
+    assert [V.c16_band(x) for x in (0.1, 0.3, 0.5)] == [
         "healthy (< 25%)", "between 25% and 35%", "A2A-bound (> 35%)"]
 
 
-def test_longest_zero_run(claims):
+def test_longest_zero_run():
     zero = np.array([[1, 0, 1], [1, 1, 1], [0, 1, 1], [1, 1, 0]], dtype=bool)
-    assert claims.longest_zero_run(zero).tolist() == [2, 3, 3]
+    assert F.longest_zero_run(zero).tolist() == [2, 3, 3]
 
 
 def test_report_formats_by_figure_name():
