@@ -19,6 +19,7 @@ import pytest
 
 from testbed import cli, regress
 from testbed import decisions as D
+from testbed import golden as golden_file
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_regress_passes_against_the_shipped_golden_file(suite, golden):
 
 def test_the_golden_file_is_what_update_writes_now(suite, golden):
     # rerunning --update would change nothing: the suite is deterministic and the file current
-    assert json.loads(regress.golden_text(regress.golden_from(suite["current"]))) == golden
+    assert json.loads(golden_file.golden_text(golden_file.golden_from(suite["current"]))) == golden
 
 
 # ---- (2) a decision flipped by hand ------------------------------------------------------
@@ -110,10 +111,10 @@ def test_two_strategies_swapped_in_the_ranking_exits_1(cached, golden, tmp_path,
 
 def test_compare_is_pure_over_the_current_values(cached, golden):
     # the comparison the CLI prints, on mappings alone: all rows ok, then one flipped
-    assert all(r.ok for r in regress.compare(cached, golden))
+    assert all(r.ok for r in golden_file.compare(cached, golden))
     edited = copy.deepcopy(golden)
     edited["decisions"]["placement.ranking[ep=2]"]["value"].reverse()
-    bad = [r for r in regress.compare(cached, edited) if not r.ok]
+    bad = [r for r in golden_file.compare(cached, edited) if not r.ok]
     assert [r.name for r in bad] == ["placement.ranking[ep=2]"] and bad[0].change == "reordered"
 
 
@@ -131,13 +132,13 @@ def test_tolerances_come_from_the_golden_file(cached, golden, tmp_path):
     time_metric, bytes_metric = "page_size.best.sim_step_s", "strategies.best.bytes_by_level.spine"
     golden["metrics"][time_metric]["value"] *= 1.01  # inside 2%
     path = _write(tmp_path, golden)
-    assert regress.check(cached, regress.load_golden(path), path, out=lambda *a: None) == 0
+    assert golden_file.check(cached, golden_file.load_golden(path), path, out=lambda *a: None) == 0
     golden["metrics"][bytes_metric]["value"] += 1  # bytes are exact: one byte is a move
     lines: list[str] = []
-    assert regress.check(cached, golden, path, out=lines.append) == 1
+    assert golden_file.check(cached, golden, path, out=lines.append) == 1
     assert any(line.startswith(bytes_metric) for line in "\n".join(lines).splitlines())
     golden["metrics"][bytes_metric]["tolerance"] = 0.01  # loosened by hand in the file
-    assert regress.check(cached, golden, path, out=lambda *a: None) == 0
+    assert golden_file.check(cached, golden, path, out=lambda *a: None) == 0
 
 
 def test_an_entry_missing_on_one_side_or_a_redefined_sweep_exits_1(cached, golden):
@@ -145,7 +146,7 @@ def test_an_entry_missing_on_one_side_or_a_redefined_sweep_exits_1(cached, golde
     del edited["metrics"]["page_size.best.peak_memory_bytes"]
     edited["metrics"]["page_size.best.gone"] = {"value": 1, "tolerance": 0, "reason": "x"}
     edited["sweeps"]["page_size"]["axes"]["pager.page_size_bytes"].pop()
-    bad = {r.name: r.change for r in regress.compare(cached, edited) if not r.ok}
+    bad = {r.name: r.change for r in golden_file.compare(cached, edited) if not r.ok}
     assert bad == {"page_size.best.peak_memory_bytes": "not in golden", "page_size.best.gone": "gone",
                    "sweep page_size": "redefined"}
 
@@ -159,10 +160,10 @@ def test_update_rewrites_a_copy_and_prints_the_diff(cached, golden, tmp_path, ca
     assert cli.main(["regress", "--update", "--golden", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     now = cached["decisions"]["capacity_factor.best[skew=0]"].value
-    assert f"capacity_factor.best[skew=0]: {regress.show(old_factor)} -> {regress.show(now)} (flipped)" in out
+    assert f"capacity_factor.best[skew=0]: {golden_file.show(old_factor)} -> {golden_file.show(now)} (flipped)" in out
     assert "heat_weights.best.sim_step_s:" in out and "(-50%)" in out
     assert "2 changed" in out
-    assert json.loads(path.read_text()) == regress.golden_from(cached)
+    assert json.loads(path.read_text()) == golden_file.golden_from(cached)
     assert cli.main(["regress", "--golden", str(path), "--no-progress"]) == 0  # and it passes now
     assert "regress: ok" in capsys.readouterr().out
 
@@ -171,7 +172,7 @@ def test_update_writes_a_missing_golden_file(cached, tmp_path, capsys):
     path = tmp_path / "sub" / "new.json"
     assert cli.main(["regress", "--update", "--golden", str(path), "--no-progress"]) == 0
     assert "a new file" in capsys.readouterr().out
-    assert regress.load_golden(path)["decisions"]
+    assert golden_file.load_golden(path)["decisions"]
 
 
 # ---- (5) a missing or unreadable golden file ---------------------------------------------
