@@ -33,9 +33,11 @@ import torch.multiprocessing as mp
 from real.comm import Comm
 from real.launch import pin_to_core
 from real.netem import join_rank_network
+from real.paged_store import PagedExpertStore
 from testbed.collectives import ByteLedger
 from testbed.errors import RunError
-from testbed.scenario import Scenario
+from testbed.pager import RankPager
+from testbed.scenario import PagerConfig, Scenario
 from testbed.topology import Layout
 
 TINY_BYTES = 64  # per member: the software cost, not the bytes
@@ -189,10 +191,6 @@ def page_touch_us(expert_bytes: int = 256 * 1024, small_page: int = 4096, expert
     compute (``PagedExpertStore.read``) and updates them in the optimizer step
     (``update``), on a CPU rank: the time with ``small_page`` pages minus the time with
     one page an expert, over the extra pages. All pages resident (no copies from host)."""
-    from real.paged_store import PagedExpertStore  # noqa: PLC0415 - the calibration's only store
-    from testbed.pager import RankPager  # noqa: PLC0415
-    from testbed.scenario import PagerConfig  # noqa: PLC0415
-
     elems = expert_bytes // 4
     grad = torch.full((elems,), 1e-3)
 

@@ -41,8 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from joblib import Parallel, delayed
+from tqdm import tqdm
+
 from testbed.errors import ScenarioError
 from testbed.files import write_atomic
+from testbed.runner import run_scenario
 from testbed.runs import is_complete, load_run, scenario_hash
 from testbed.scenario import Scenario
 
@@ -147,7 +151,6 @@ class Task:
 
 def _run_task(scenario_dict: dict, backend: str) -> dict:
     """One run (in this process or a pool's worker); returns its summary."""
-    from testbed.runner import run_scenario  # noqa: PLC0415 - keeps workers' start light
     return run_scenario(Scenario.from_dict(scenario_dict), backend)
 
 
@@ -299,12 +302,14 @@ def run_sweep(sweep: Sweep, *, jobs: int | None = None, executor: str = "local",
     ran = 0
     try:
         for t in real_tasks:
-            if t.key not in index.done:
+            if t.key in index.done:
+                summary = load_run(index.done[t.key])[1]
+            else:
                 bar.set_postfix_str(f"real {point_label(grid[t.point])} #{t.repeat + 1}")
                 summary = _run_task(t.scenario.to_dict(), "real")
                 index.add(t, summary["run_dir"])
                 ran += 1
-            summaries[(t.point, "real", t.repeat)] = load_run(index.done[t.key])[1]
+            summaries[(t.point, "real", t.repeat)] = summary
             bar.update(1)
         if "sim" in sweep.backends:
             sim_tasks = []
@@ -341,8 +346,6 @@ def _parallel(tasks: list[Task], jobs: int | None, executor: str, address: str |
         for t in tasks:
             yield t, _run_task(t.scenario.to_dict(), t.backend)
         return
-    from joblib import Parallel, delayed  # noqa: PLC0415 - a pool only when there is parallel work
-
     results = Parallel(n_jobs=min(jobs, len(tasks)), backend="loky", return_as="generator_unordered")(
         delayed(_indexed)(k, t.scenario.to_dict(), t.backend) for k, t in enumerate(tasks))
     for k, summary in results:
@@ -385,8 +388,6 @@ class _NoBar:
 def _bar(total: int, name: str, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm  # noqa: PLC0415 - only where progress is shown
-
     return tqdm(total=total, desc=name, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
