@@ -310,7 +310,7 @@ def c3(ledger: Ledger) -> Claim:
             c.add(key, ar + ts, expert_sync_bytes_allreduce=b_ar, expert_sync_bytes_two_stage=b_ts,
                   two_stage_over_allreduce=ratio)
             measured_bytes[(label, backend)] = (b_ar, b_ts)
-    c.verdict, ok = from_checks(checks)
+    ok = c.judge(checks, "Agrees on")
     same = [lab for (lab, b) in measured_bytes if b == "real" and (lab, "sim") in measured_bytes
             and measured_bytes[(lab, "sim")] == measured_bytes[(lab, "real")]]
     ratios = ", ".join(f"{k}: {100 * v['two_stage_over_allreduce']:.1f}%" for k, v in c.numbers.items())
@@ -320,8 +320,6 @@ def c3(ledger: Ledger) -> Claim:
              "are the same as the all-reduce's."
              + (f" Simulated replay and measured run moved identical expert-sync bytes on: {_names(same)}." if same
                 else ""))
-    if c.verdict == CONDITIONAL:
-        c.conditions = f"Agrees on: {_names(ok)}."
     return c
 
 
@@ -346,7 +344,7 @@ def c4(ledger: Ledger) -> Claim:
                   infiniband_util_allreduce=u_ar["infiniband"], infiniband_util_two_stage=u_ts["infiniband"])
             for part, v in c4_checks(u_ar, u_ts).items():
                 checks[f"{key}: {part}"] = v
-    c.verdict, ok = from_checks(checks)
+    c.judge(checks, "Agrees only for")
     parts = []
     for k, v in c.numbers.items():
         parts.append(f"{k}: NVLink {100 * v['nvlink_util_allreduce']:.1f}% -> {100 * v['nvlink_util_two_stage']:.1f}%, "
@@ -358,9 +356,7 @@ def c4(ledger: Ledger) -> Claim:
              "group spans whole nodes (EP >= GPUs per node, topology placement), so an expert's replicas sit on "
              "different nodes and two-stage sync crosses InfiniBand as the all-reduce does: it can move fewer "
              "bytes, not move them onto NVLink.")
-    if c.verdict == CONDITIONAL:
-        c.conditions = f"Agrees only for: {_names(ok)}."
-    elif not checks:
+    if not checks:
         c.why = "No run with link utilisation (the simulator, or real ranks on the emulated cluster)."
     return c
 
@@ -525,13 +521,11 @@ def c8(ledger: Ledger) -> Claim:
                 check = c8_check(steps)
                 if check is not None:
                     checks[name] = check
-    c.verdict, ok = from_checks(checks)
+    c.judge(checks, "Agrees on")
     c.why = ("Page size with the shortest step: " + "; ".join(bests) + ". The claim's sizes (8, 16, 32 MiB) can only "
              "be tested where experts are MB-sized (the seed's shapes: 176 MB per expert); the small scenario's "
              "KiB pages show only the shape of the trade-off.")
-    if c.verdict == CONDITIONAL:
-        c.conditions = f"Agrees on: {_names(ok)}."
-    elif c.verdict == UNTESTABLE:
+    if c.verdict == UNTESTABLE:
         c.why = "No scenario with 8, 16 and 32 MiB pages was run. " + c.why
     return c
 
@@ -593,7 +587,7 @@ def c10(ledger: Ledger) -> Claim:
             c.add(f"heat-drift ({steps} steps), heat update {name}, {side(backend)}", figs[n]["runs"], **vals)
         for part, v in c10_checks(ov[1], ov[10]).items():
             checks[f"heat-drift, {side(backend)}: {part}"] = v
-    c.verdict, ok = from_checks(checks)
+    c.judge(checks, "Agrees only for")
     parts = "; ".join(f"{k}: {100 * v['step_overhead_vs_never']:+.2f}% step, heat stage "
                       f"{100 * v['heat_stage_share']:.2f}% of it" for k, v in c.numbers.items()
                       if "step_overhead_vs_never" in v)
@@ -602,8 +596,6 @@ def c10(ledger: Ledger) -> Claim:
              "The step overhead includes what the updates set off (cold migrations, prefetches, wake-ups); the heat "
              "stage is the update itself. A measured overhead smaller than the points' run-to-run spread "
              "((max - min) / mean of the repeats' mean steps, where there are repeats) is noise.")
-    if c.verdict == CONDITIONAL:
-        c.conditions = f"Agrees only for: {_names(ok)}."
     return c
 
 
@@ -758,14 +750,12 @@ def c14(ledger: Ledger) -> Claim:
                 cfs = sorted({scenario_of(s).router.capacity_factor for s in runs})
                 c.add(key, runs, max_dropped_fraction_at_cf_1_1_to_1_25=drops[key], capacity_factors=cfs)
             checks.update(c14_checks(drops))
-    c.verdict, ok = from_checks(checks)
+    c.judge(checks, "No drops only for")
     parts = "; ".join(f"{k}: {100 * v['max_dropped_fraction_at_cf_1_1_to_1_25']:.2f}%" for k, v in c.numbers.items())
     c.why = (f"Largest fraction of routed slots dropped at capacity factors 1.1-1.25: {parts} (claimed: none). "
              "On the simulator routing is the synthetic workload: the aux loss does not act on it, and the skew "
              "stands for how unbalanced routing stays; on the real backend the router trains under the aux loss "
              "for the run's few steps.")
-    if c.verdict == CONDITIONAL:
-        c.conditions = f"No drops only for: {_names(ok)}."
     return c
 
 

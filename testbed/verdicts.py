@@ -196,6 +196,14 @@ class Claim:
                                   "run_dir": str(s["run_dir"])})
                 seen.add(run_id(s))
 
+    def judge(self, checks: dict[str, bool], agreeing: str = "Agrees only for") -> list[str]:
+        """Set the verdict from ``checks`` (``from_checks``); where only some agree, the
+        conditions name them after ``agreeing``. Returns the labels that agree."""
+        self.verdict, ok = from_checks(checks)
+        if self.verdict == CONDITIONAL:
+            self.conditions = f"{agreeing}: {'; '.join(ok)}."
+        return ok
+
     def to_dict(self) -> dict:
         return {"id": self.id, "claim": CLAIMS[self.id], "verdict": self.verdict, "conditions": self.conditions,
                 "why": self.why, "tolerance": TOLERANCE.get(self.id, ""), "numbers": self.numbers, "runs": self.runs}
