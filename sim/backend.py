@@ -30,7 +30,8 @@ from testbed.stages import stage_variant
 from testbed.topology import LEVELS, Layout
 from testbed.workload import SyntheticWorkload
 
-from sim.collective_model import AnalyticTimer, CollectiveModel
+from sim.analytic_timer import AnalyticTimer
+from sim.collective_model import CollectiveModel
 from sim.compute import ComputeModel
 from sim.cores import CorePool
 from sim.fabric import build_fabric

@@ -36,6 +36,8 @@ from sim.network import Network
 from testbed.collectives import CollectiveOp, algorithm_messages, algorithm_steps
 from testbed.profile import MachineProfile
 
+from sim.software_latency import SoftwareLatency
+
 
 class Flows(NamedTuple):
     """Flows of one op: rank arrays, bytes per flow, the latency before they start (s), and
@@ -189,124 +191,11 @@ class CollectiveModel:
                                          for f in flows])
 
 
-class SoftwareLatency:
-    """The communication library's software cost: per call and per sequential algorithm
-    step, seconds. From a calibrated profile's ``measured.collective_latency`` (the entry of
-    the measured world nearest to the scenario's: the cost grows with ranks per core), which
-    makes them *fitted* constants, or else the profile's ``collectives`` figures."""
-
-    def __init__(self, profile: MachineProfile, world: int):
-        rows = profile.measured.collective_latency
-        if rows:
-            row = min(rows, key=lambda r: (abs(r["world"] - world), r["world"]))
-            self.call_s, self.step_s, self.fitted = row["call_us"] * 1e-6, row["step_us"] * 1e-6, True
-        else:
-            c = profile.collectives
-            self.call_s, self.step_s, self.fitted = c.latency_us * 1e-6, c.step_latency_us * 1e-6, False
-
-
 def ring_share(kind: str, p: int, size: float) -> tuple[float, int]:
     """(bytes per ring flow, sequential hops) of a ring all-reduce / all-gather / reduce-scatter."""
     return {"all_reduce": (2 * (p - 1) / p * size, 2 * (p - 1)),
             "all_gather": ((p - 1) * size, p - 1),
             "reduce_scatter": ((p - 1) / p * size, p - 1)}[kind]
-
-
-class _Pattern(NamedTuple):
-    """Cached routes of an op shape: flows between member indices and their paths."""
-
-    i: np.ndarray  # member index of each flow's source
-    j: np.ndarray  # member index of each flow's destination
-    hops: np.ndarray  # edges per flow
-    edges: np.ndarray  # concatenated edge indices of the flows
-    latency: np.ndarray  # path latency per flow (s)
-
-
-class AnalyticTimer:
-    """The analytic (bottleneck-link) time of ops, with routes cached per member set.
-
-    Gives the same time as ``Network`` in analytic mode for the flows of ``flows_for``,
-    without creating simpy events, so millions of ops stay cheap. Adds each op's bytes
-    and busy seconds to the network's per-edge statistics.
-    """
-
-    def __init__(self, model: CollectiveModel):
-        self.model = model
-        self.fabric = model.fabric
-        self.stats = model.network
-        self._patterns: dict[tuple, _Pattern] = {}
-
-    def _pattern(self, kind: str, members: tuple[int, ...]) -> _Pattern:
-        key = (kind, members)
-        pat = self._patterns.get(key)
-        if pat is None:
-            p = len(members)
-            if kind in ("all_to_all_v", "p2p"):
-                i, j = np.nonzero(~np.eye(p, dtype=bool)) if kind == "all_to_all_v" else (np.array([0]), np.array([1]))
-            else:  # ring: member i -> i + 1
-                i = np.arange(p)
-                j = np.roll(i, -1)
-            m = np.asarray(members)
-            paths = self.fabric.paths(m[i], m[j])
-            pat = self._patterns[key] = _Pattern(i, j, paths.hops, paths.edges, paths.latency)
-        return pat
-
-    def seconds(self, op: CollectiveOp) -> float:
-        """Seconds ``op`` takes alone on the fabric: per stage of its algorithm, the largest
-        fixed latency of its atoms plus the bottleneck link of their flows together."""
-        total = 0.0
-        for stage in self.model.stages(op):
-            load = None
-            messages = 0.0
-            fixed = 0.0
-            for atom in stage:
-                got = self._atom_load(atom)
-                if got is None:
-                    continue
-                atom_fixed, atom_load, atom_messages = got
-                fixed = max(fixed, atom_fixed)
-                if atom_load is not None:
-                    load = atom_load if load is None else load + atom_load
-                    messages = messages + atom_messages
-            if load is None:
-                total += fixed
-                continue
-            busy = load / self.fabric.capacity.clip(min=1e-300)
-            self.stats.bytes_by_edge += load
-            self.stats.messages_by_edge += messages
-            self.stats.busy_by_edge += busy
-            total += fixed + float(busy.max())
-        return total
-
-    def _atom_load(self, atom: Atom):
-        """(fixed latency s, bytes per fabric edge, messages per fabric edge) of one atom;
-        None when it moves nothing."""
-        model = self.model
-        p = len(atom.members)
-        if atom.kind == "p2p":
-            if atom.members[0] == atom.members[1]:
-                return None
-        elif atom.kind != "all_to_all_v" and p < 2:
-            return None
-        ring = atom.kind in ("all_reduce", "all_gather", "reduce_scatter")
-        pat = self._pattern("ring" if ring else atom.kind, atom.members)
-        if atom.kind == "all_to_all_v":
-            nbytes = np.asarray(atom.matrix, dtype=np.float64)[pat.i, pat.j]
-            used = nbytes > 0
-            if not used.any():
-                return model.call_latency, None, None  # the call costs its latency, moves nothing
-            fixed = model.call_latency + model.software_steps(atom) * model.step_latency + float(pat.latency[used].max())
-        elif atom.kind == "p2p":
-            nbytes = np.array([float(atom.size)])
-            fixed = model.fixed_latency(1, float(pat.latency[0]))
-        else:
-            per_flow, steps = ring_share(atom.kind, p, atom.size)
-            nbytes = np.full(p, float(per_flow))
-            fixed = model.fixed_latency(steps, float(pat.latency.max()))
-        load = np.bincount(pat.edges, weights=np.repeat(nbytes, pat.hops), minlength=self.fabric.num_edges)
-        per_flow = algorithm_messages(atom.kind, p) * (nbytes > 0)
-        messages = np.bincount(pat.edges, weights=np.repeat(per_flow, pat.hops), minlength=self.fabric.num_edges)
-        return fixed, load, messages
 
 
 def seconds_alone(scenario, profile: MachineProfile, op: CollectiveOp) -> tuple[float, dict[str, int]]:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
-from sim.collective_model import AnalyticTimer, CollectiveModel
+from sim.analytic_timer import AnalyticTimer
+from sim.collective_model import CollectiveModel
 from sim.cores import CorePool
 from sim.phases import Phase
 

@@ -5,7 +5,8 @@ import pytest
 import simpy
 
 from sim.backend import SimBackend
-from sim.collective_model import AnalyticTimer, CollectiveModel
+from sim.analytic_timer import AnalyticTimer
+from sim.collective_model import CollectiveModel
 from sim.fabric import build_fabric
 from sim.network import Network
 from testbed.collectives import CollectiveOp
