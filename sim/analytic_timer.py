@@ -3,12 +3,16 @@
 An op is a sequence of stages of its algorithm (``CollectiveModel.stages``); each stage
 waits a fixed latency (software cost and path latencies, seconds) and then moves bytes
 over links. ``stage_loads(op)`` gives, per stage, that latency and the bytes the stage
-puts on each link it uses (sparse: edge indices and bytes), a pure function of the op
-with routes cached per member set. ``seconds(op)`` is the op alone on the fabric: per
-stage, its latency plus its most loaded link's bytes / capacity, the same time as
-``Network`` in analytic mode for the flows of ``CollectiveModel.atom_flows``. An executor
-that runs several ops at once (``sim.schedule.run_analytic``) can sum the stage loads
-of concurrent ops instead, and adds their statistics with ``record``.
+puts on each link it uses (sparse: edge indices and bytes), a pure function of the op.
+The loads come from the model's one decomposition (``CollectiveModel.atom_flows``, routed
+by ``Fabric.paths``): every algorithm but the direct all-to-all moves bytes proportional
+to the op's size, so its per-stage loads at 1 byte are cached per (kind, algorithm,
+members) and scaled; an all-to-all's routes are cached per member set and weighted by its
+matrix. Caches follow the fabric's ``routing_version``. ``seconds(op)`` is the op alone
+on the fabric: per stage, its latency plus its most loaded link's bytes / capacity, the
+same time as ``Network`` in analytic mode for the flows of ``CollectiveModel.atom_flows``.
+An executor that runs several ops at once (``sim.schedule.run_analytic``) can sum the
+stage loads of concurrent ops instead, and adds their statistics with ``record``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from testbed.collectives import CollectiveOp, algorithm_messages
-
-from sim.collective_model import Atom, CollectiveModel, ring_share
+from sim.collective_model import Atom, CollectiveModel
+from testbed.collectives import CollectiveOp
 
 
 class StageLoad(NamedTuple):
@@ -34,7 +37,7 @@ class StageLoad(NamedTuple):
 
 
 class _Pattern(NamedTuple):
-    """Cached routes of an op shape: flows between member indices and their paths."""
+    """Cached routes of an all-to-all's member set: every ordered pair of distinct members."""
 
     i: np.ndarray  # member index of each flow's source
     j: np.ndarray  # member index of each flow's destination
@@ -44,42 +47,60 @@ class _Pattern(NamedTuple):
     entry_edge: np.ndarray  # position in ``edges`` of each (flow, hop) entry, flows in order
 
 
+_NONE = np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+
+
 class AnalyticTimer:
-    """The analytic time of ops, with routes cached per member set; statistics go to the
-    network's per-edge counters (``model.network``)."""
+    """The analytic time of ops, with loads cached per algorithm and member set;
+    statistics go to the network's per-edge counters (``model.network``)."""
 
     def __init__(self, model: CollectiveModel):
         self.model = model
         self.fabric = model.fabric
         self.stats = model.network
+        self._stages: dict[tuple, list[tuple]] = {}
         self._patterns: dict[tuple, _Pattern] = {}
+        self._version = self.fabric.routing_version
 
     # ---- loads -------------------------------------------------------------------------------
     def stage_loads(self, op: CollectiveOp) -> list[StageLoad]:
         """Per stage of ``op``'s algorithm: its fixed latency and the bytes on each link of
         all its atoms together (module doc). Pure: adds no statistics."""
-        out = []
-        for stage in self.model.stages(op):
-            fixed = 0.0
-            parts = []
-            for atom in stage:
-                got = self._atom_load(atom)
-                if got is None:
-                    continue
-                fixed = max(fixed, got[0])
-                if got[1] is not None:
-                    parts.append(got[1:])
-            if not parts:
-                out.append(StageLoad(fixed, np.zeros(0, np.int64), np.zeros(0), np.zeros(0)))
-            elif len(parts) == 1:
-                out.append(StageLoad(fixed, *parts[0]))
-            else:
-                edges = np.concatenate([p[0] for p in parts])
-                uniq, inv = np.unique(edges, return_inverse=True)
-                out.append(StageLoad(fixed, uniq,
-                                     np.bincount(inv, np.concatenate([p[1] for p in parts]), len(uniq)),
-                                     np.bincount(inv, np.concatenate([p[2] for p in parts]), len(uniq))))
-        return out
+        if self.fabric.routing_version != self._version:
+            self._stages.clear()
+            self._patterns.clear()
+            self._version = self.fabric.routing_version
+        if op.kind == "all_to_all_v":
+            return [self._all_to_all(Atom(op.kind, op.members, 0, op.matrix))]
+        algorithm = "direct" if op.kind == "p2p" else self.model.algorithm_for(op)
+        key = (op.kind, algorithm, op.members)
+        unit = self._stages.get(key)
+        if unit is None:
+            stages = [[Atom("p2p", op.members, 1.0)]] if op.kind == "p2p" else \
+                self.model.stages_of(op.kind, algorithm, op.members, 1.0)
+            unit = self._stages[key] = [self._merge(stage) for stage in stages]
+        size = float(op.size)
+        if size > 0:
+            return [StageLoad(fixed, edges, per_byte * size, messages.copy()) for fixed, edges, per_byte, messages in unit]
+        return [StageLoad(fixed, edges, per_byte * 0.0, messages * 0.0) for fixed, edges, per_byte, messages in unit]
+
+    def _merge(self, stage: list[Atom]) -> tuple:
+        """(fixed s, edges, bytes per byte of the op's size, messages) of a stage's atoms."""
+        fixed, parts = 0.0, []
+        for atom in stage:
+            u = self.model.unit_load(atom)
+            if u is None:
+                continue
+            fixed = max(fixed, u.fixed_s if atom.fixed_s is None else atom.fixed_s)
+            parts.append((u.edges, u.per_byte * atom.size, u.messages))
+        if not parts:
+            return (fixed, *_NONE)
+        if len(parts) == 1:
+            return (fixed, *parts[0])
+        edges = np.concatenate([p[0] for p in parts])
+        uniq, inv = np.unique(edges, return_inverse=True)
+        return (fixed, uniq, np.bincount(inv, np.concatenate([p[1] for p in parts]), len(uniq)),
+                np.bincount(inv, np.concatenate([p[2] for p in parts]), len(uniq)))
 
     def stage_seconds(self, load: StageLoad) -> float:
         """Seconds of one stage alone on the fabric: latency + bottleneck link."""
@@ -103,50 +124,31 @@ class AnalyticTimer:
         self.record(loads)
         return sum(self.stage_seconds(load) for load in loads)
 
-    # ---- one atom ----------------------------------------------------------------------------
-    def _pattern(self, kind: str, members: tuple[int, ...]) -> _Pattern:
-        key = (kind, members)
-        pat = self._patterns.get(key)
+    # ---- the direct all-to-all ------------------------------------------------------------
+    def _pattern(self, members: tuple[int, ...]) -> _Pattern:
+        pat = self._patterns.get(members)
         if pat is None:
             p = len(members)
-            if kind in ("all_to_all_v", "p2p"):
-                i, j = np.nonzero(~np.eye(p, dtype=bool)) if kind == "all_to_all_v" else (np.array([0]), np.array([1]))
-            else:  # ring: member i -> i + 1
-                i = np.arange(p)
-                j = np.roll(i, -1)
-            m = np.asarray(members)
-            paths = self.fabric.paths(m[i], m[j])
+            i, j = np.nonzero(~np.eye(p, dtype=bool))
+            m = np.asarray(members, dtype=np.int64)
+            src, dst = m[i], m[j]
+            paths = self.fabric.paths(src, dst, nic_of_src=self.model.pxn_nics(src, dst))
             uniq, inv = np.unique(paths.edges, return_inverse=True)
-            pat = self._patterns[key] = _Pattern(i, j, paths.hops, paths.latency, uniq, inv)
+            pat = self._patterns[members] = _Pattern(i, j, paths.hops, paths.latency, uniq, inv)
         return pat
 
-    def _atom_load(self, atom: Atom):
-        """(fixed latency s, edges, bytes per edge, messages per edge) of one atom; the
-        last three None when it moves nothing; None when it costs nothing."""
-        model = self.model
-        p = len(atom.members)
-        if atom.kind == "p2p":
-            if atom.members[0] == atom.members[1]:
-                return None
-        elif atom.kind != "all_to_all_v" and p < 2:
-            return None
-        ring = atom.kind in ("all_reduce", "all_gather", "reduce_scatter")
-        pat = self._pattern("ring" if ring else atom.kind, atom.members)
-        if atom.kind == "all_to_all_v":
-            nbytes = np.asarray(atom.matrix, dtype=np.float64)[pat.i, pat.j]
-            used = nbytes > 0
-            if not used.any():
-                return model.call_latency, None, None, None  # the call costs its latency, moves nothing
-            fixed = model.call_latency + model.software_steps(atom) * model.step_latency + float(pat.latency[used].max())
-        elif atom.kind == "p2p":
-            nbytes = np.array([float(atom.size)])
-            fixed = model.fixed_latency(1, float(pat.latency[0]))
-        else:
-            per_flow, steps = ring_share(atom.kind, p, atom.size)
-            nbytes = np.full(p, float(per_flow))
-            fixed = model.fixed_latency(steps, float(pat.latency.max()))
+    def _all_to_all(self, atom: Atom) -> StageLoad:
+        """The one stage of a direct all-to-all: the flows of ``CollectiveModel.atom_flows``
+        (the matrix's non-zero off-diagonal entries) on cached routes."""
+        if len(atom.members) < 2:
+            return StageLoad(0.0, *_NONE)
+        pat = self._pattern(atom.members)
+        nbytes = np.asarray(atom.matrix, dtype=np.float64)[pat.i, pat.j]
+        used = nbytes > 0
+        if not used.any():
+            return StageLoad(self.model.call_latency, *_NONE)  # the call costs its latency, moves nothing
+        fixed = self.model.all_to_all_fixed(atom, float(pat.latency[used].max()))
         n = len(pat.edges)
         load = np.bincount(pat.entry_edge, weights=np.repeat(nbytes, pat.hops), minlength=n)
-        per_flow_messages = algorithm_messages(atom.kind, p) * (nbytes > 0)
-        messages = np.bincount(pat.entry_edge, weights=np.repeat(per_flow_messages, pat.hops), minlength=n)
-        return fixed, pat.edges, load, messages
+        messages = np.bincount(pat.entry_edge, weights=np.repeat(used.astype(np.float64), pat.hops), minlength=n)
+        return StageLoad(fixed, pat.edges, load, messages)

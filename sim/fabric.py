@@ -2,22 +2,29 @@
 per-edge arrays and vectorised routing for the network model.
 
 Nodes: ``("gpu", r)`` per rank, ``("nvswitch", n)`` and ``("host", n)`` per node,
-``("leaf", m)`` per micro-cluster and one logical ``("spine", 0)``. Every link is two
-directed edges, each with ``bandwidth`` (bytes/s), ``latency`` (s), ``level`` (a
-``testbed.topology`` level code: NVLINK, LEAF for the GPU NICs, SPINE for the leaf
-uplinks, PCIE) and ``index`` (its position in the dense arrays).
+``("leaf", l)`` per leaf (one per micro-cluster, or per (micro-cluster, rail) with
+``cluster.rail_optimized``: ``testbed.links.leaf_of``) and one logical ``("spine", 0)``.
+Every link is two directed edges, each with ``bandwidth`` (bytes/s), ``latency`` (s),
+``level`` (a ``testbed.topology`` level code: NVLINK, LEAF for the GPU NICs, SPINE for the
+leaf uplinks, PCIE) and ``index`` (its position in the dense arrays).
 
 The links and their figures come from ``testbed.links`` (the emulated cluster of the
 real backend is wired from the same description); the spine is one aggregated switch
-whose uplinks are a fluid model of ECMP. Routing is fixed (no
-alternatives): same node -> gpu, nvswitch, gpu; same micro-cluster -> gpu, leaf, gpu
-over the NICs; else gpu, leaf, spine, leaf, gpu. PCIe copies use the GPU's own link to
-its node's host memory; the host side (memory, PCIe switches shared by two GPUs) is not
-a bottleneck in this model.
+whose uplinks are a fluid model of ECMP. Routing is fixed (no alternatives): same node ->
+gpu, nvswitch, gpu; else out of the source node through one GPU's NIC (the source's own,
+or per flow ``nic_of_src``: another GPU of its node reached over NVLink first, as NCCL's
+PXN and its rail-aligned rings do), to that NIC's leaf, over the spine when the
+destination's NIC hangs off another leaf, and down the destination's NIC. PCIe copies use
+the GPU's own link to its node's host memory; the host side (memory, PCIe switches shared
+by two GPUs) is not a bottleneck in this model. Kind ``edge`` routes a flow over one given
+edge: the traffic of in-switch reductions (NVLink SHARP, in-network reduction), which
+ends at a switch, not at a GPU.
 
 Faults: ``set_capacity(selector, factor)`` scales links to ``factor`` times their nominal
 bandwidth. A factor of 0 marks a link down; there is no rerouting, so the network model
-raises ``RunError`` naming the link when a flow needs it.
+raises ``RunError`` naming the link when a flow needs it. ``reroute_nic`` sends a GPU's
+inter-node traffic through a node peer's NIC (``routing_version`` counts such changes, for
+callers that cache routes).
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ import networkx as nx
 import numpy as np
 
 from testbed.errors import RunError
-from testbed.links import BLOCKS, fabric_blocks
+from testbed.links import BLOCKS, fabric_blocks, leaf_count, leaf_of, rails
 from testbed.profile import MachineProfile
 from testbed.topology import LEVELS
 
-KINDS = ("fabric", "h2d", "d2h")
+KINDS = ("fabric", "h2d", "d2h", "edge")
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,12 @@ class Fabric:
         self.gpus_per_node = cluster.gpus_per_node
         self.gpus_per_microcluster = cluster.gpus_per_microcluster
         self.nodes = W // cluster.gpus_per_node
-        self.microclusters = M = cluster.microclusters
+        self.microclusters = cluster.microclusters
+        self.rails = rails(cluster)  # leaves per micro-cluster (M21)
+        self.leaves = M = leaf_count(cluster)
         self.profile_name = profile.name
         ranks = np.arange(W)
-        node, mc = ranks // self.gpus_per_node, ranks // self.gpus_per_microcluster
+        node, leaf = ranks // self.gpus_per_node, leaf_of(cluster, ranks)
         spec = fabric_blocks(cluster, profile)  # block -> (count, bandwidth bytes/s, latency s, level)
         sizes = {b: spec[b].count for b in BLOCKS}
         self.offset = dict(zip(BLOCKS, np.cumsum([0] + [sizes[b] for b in BLOCKS[:-1]]).tolist()))
@@ -93,7 +102,7 @@ class Fabric:
         gpu = [("gpu", int(r)) for r in ranks]
         sw = [("nvswitch", int(n)) for n in node]
         host = [("host", int(n)) for n in node]
-        leaf_of_gpu = [("leaf", int(m)) for m in mc]
+        leaf_of_gpu = [("leaf", int(m)) for m in leaf]
         leaves = [("leaf", m) for m in range(M)]
         spine = [("spine", 0)] * M
         ends = {
@@ -109,18 +118,27 @@ class Fabric:
                     "level": int(self.level[i]), "index": i})
             for i, (u, v) in enumerate(self.edges))
         self._node = node
-        self._mc = mc
+        self._leaf = leaf
         #: nic_relay[r]: the GPU whose NIC carries r's inter-node traffic (itself unless rerouted)
         self.nic_relay = np.arange(W)
+        #: changes whenever routes change (``reroute_nic``): a key for cached routes
+        self.routing_version = 0
 
     # ---- routing -----------------------------------------------------------------------
-    def paths(self, src, dst, kind: str = "fabric") -> Paths:
+    def paths(self, src, dst, kind: str = "fabric", nic_of_src=None) -> Paths:
         """Routes of flows ``src[i] -> dst[i]`` (rank arrays).
 
-        kind ``fabric``: GPU to GPU (a flow to itself crosses no edge); ``h2d``: host
-        memory of dst's node to GPU ``dst``; ``d2h``: GPU ``src`` to its host memory.
+        kind ``fabric``: GPU to GPU (a flow to itself crosses no edge); ``nic_of_src``
+        (optional, per flow): the GPU of ``src[i]``'s node whose NIC an inter-node flow
+        leaves through (module doc; ignored within a node); ``h2d``: host memory of dst's
+        node to GPU ``dst``; ``d2h``: GPU ``src`` to its host memory; ``edge``: ``src[i]``
+        is an edge index and the flow crosses that one edge (``dst`` is ignored).
         """
         src = np.atleast_1d(np.asarray(src, dtype=np.int64))
+        if kind == "edge":
+            if len(src) and (src.min() < 0 or src.max() >= self.num_edges):
+                raise ValueError(f"edge index out of range [0, {self.num_edges})")
+            return Paths(np.arange(len(src) + 1), src, self.latency[src])
         dst = np.atleast_1d(np.asarray(dst, dtype=np.int64))
         src, dst = np.broadcast_arrays(src, dst)
         for name, r in (("src", src), ("dst", dst)):
@@ -134,16 +152,25 @@ class Fabric:
             raise ValueError(f"unknown transfer kind {kind!r} (one of {', '.join(KINDS)})")
         o = self.offset
         same_node = self._node[src] == self._node[dst]
-        cross = self._mc[src] != self._mc[dst]
         inter = ~same_node & (src != dst)
+        nic = src
+        if nic_of_src is not None:
+            nic = np.broadcast_to(np.asarray(nic_of_src, dtype=np.int64), src.shape)
+            if len(nic) and (nic.min() < 0 or nic.max() >= self.world):
+                raise ValueError(f"nic_of_src rank out of range [0, {self.world})")
+            wrong = inter & (self._node[nic] != self._node[src])
+            if wrong.any():
+                i = int(np.flatnonzero(wrong)[0])
+                raise ValueError(f"nic_of_src {int(nic[i])} is not on the node of rank {int(src[i])}")
         # a GPU whose NIC is down reaches the leaf through a node peer's NIC (NVLink hop)
-        rs, rd = self.nic_relay[src], self.nic_relay[dst]
+        rs, rd = self.nic_relay[nic], self.nic_relay[dst]
+        cross = self._leaf[rs] != self._leaf[rd]
         table = np.empty((n, 8), dtype=np.int64)
         table[:, 0] = o["nvlink_up"] + src
         table[:, 1] = o["nvlink_down"] + rs
         table[:, 2] = o["nic_up"] + rs
-        table[:, 3] = o["spine_up"] + self._mc[src]
-        table[:, 4] = o["spine_down"] + self._mc[dst]
+        table[:, 3] = o["spine_up"] + self._leaf[rs]
+        table[:, 4] = o["spine_down"] + self._leaf[rd]
         table[:, 5] = o["nic_down"] + rd
         table[:, 6] = o["nvlink_up"] + rd
         table[:, 7] = o["nvlink_down"] + dst
@@ -152,7 +179,7 @@ class Fabric:
         mask[:, 0] = intra | (inter & (rs != src))
         mask[:, 1] = inter & (rs != src)
         mask[:, 2] = inter
-        mask[:, 3] = mask[:, 4] = cross
+        mask[:, 3] = mask[:, 4] = inter & cross
         mask[:, 5] = inter
         mask[:, 6] = inter & (rd != dst)
         mask[:, 7] = intra | (inter & (rd != dst))
@@ -162,6 +189,35 @@ class Fabric:
         latency = (self.latency[table] * mask).sum(axis=1)
         return Paths(indptr, table[mask], latency)
 
+    def rail_peer(self, src, dst):
+        """The GPU of ``src``'s node on ``dst``'s rail (the same local index as ``dst``):
+        whose NIC a rail-aligned inter-node message leaves through (PXN, M21)."""
+        src, dst = np.asarray(src), np.asarray(dst)
+        g = self.gpus_per_node
+        return (src // g) * g + dst % g
+
+    def nic_edges(self, ranks, up: bool) -> Paths:
+        """Per rank, the edges between the GPU and its leaf (up: GPU -> leaf; down: leaf ->
+        GPU): its NIC, or a node peer's NIC and the NVLink hop to it when rerouted."""
+        r = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
+        relay = self.nic_relay[r]
+        o = self.offset
+        if up:
+            table = np.stack([o["nvlink_up"] + r, o["nvlink_down"] + relay, o["nic_up"] + relay], axis=1)
+        else:
+            table = np.stack([o["nic_down"] + relay, o["nvlink_up"] + relay, o["nvlink_down"] + r], axis=1)
+        mask = np.ones(table.shape, dtype=bool)
+        moved = relay != r
+        mask[:, 0 if up else 1] = moved
+        mask[:, 1 if up else 2] = moved
+        indptr = np.zeros(len(r) + 1, dtype=np.int64)
+        np.cumsum(mask.sum(axis=1), out=indptr[1:])
+        return Paths(indptr, table[mask], (self.latency[table] * mask).sum(axis=1))
+
+    def leaf_of_nic(self, ranks) -> np.ndarray:
+        """Per rank, the leaf its inter-node traffic enters (that of the NIC it uses)."""
+        return self._leaf[self.nic_relay[np.asarray(ranks, dtype=np.int64)]]
+
     def reroute_nic(self, rank: int) -> int:
         """Send ``rank``'s inter-node traffic through the NIC of a node peer whose NIC is
         up (GPU -> NVLink -> peer -> NIC). Returns the peer; RunError if there is none."""
@@ -170,6 +226,7 @@ class Fabric:
             nic = [self.offset["nic_up"] + peer, self.offset["nic_down"] + peer]
             if peer != rank and self.nic_relay[peer] == peer and (self.capacity[nic] > 0).all():
                 self.nic_relay[rank] = peer
+                self.routing_version += 1
                 return int(peer)
         raise RunError(f"GPU {rank}: no GPU of its node has a working NIC to reroute through")
 

@@ -13,6 +13,14 @@ Two modes (``SimConfig.network_model``):
   a flow done early keeps its share idle until that event. Finishes are thus never
   early (the bottleneck bound of analytic mode still holds) and at most about 1% late;
   bytes are exact. ``coalesce=0`` gives exact event times.
+
+  Recomputation is incremental, with the same result as solving every flow anew:
+  flows are kept in *components* (flows that share a link, directly or through other
+  flows; the EP groups of an all-to-all phase are separate components), each with its
+  own events, so a start or finish re-shares only its component; and when flows end,
+  only the flows whose rate was at least the lowest rate of those that ended are filled
+  again (``fill``: flows frozen below that level by progressive filling never depended
+  on them).
 - ``analytic``: a group of flows started together finishes after
   ``max over links(bytes of the group on that link / capacity)`` plus the largest path
   latency of its flows. Concurrent groups do not interact: each behaves as if alone on
@@ -26,8 +34,10 @@ A group of flows is one ``start_flows`` call; its event fires when all its flows
 done. Flows of zero bytes, and fabric flows from a rank to itself, move nothing and are
 dropped; a group with nothing left fires at once.
 
-Statistics: bytes carried and busy seconds per edge, bytes per tag; busy = at least one
-flow transmitting on the edge (analytic mode: the group's bytes / capacity).
+Statistics: bytes carried and busy seconds per edge, library messages per edge, bytes
+per tag. Bytes are counted when a group starts (all of a flow's bytes cross every edge
+of its route); busy = at least one flow transmitting on the edge (analytic mode: the
+group's bytes / capacity).
 """
 
 from __future__ import annotations
@@ -58,37 +68,126 @@ def max_min_rates(indptr: np.ndarray, edges: np.ndarray, capacity: np.ndarray) -
     earlier). Each round freezes the flows of all such links at their share and takes
     their rates off the other links; rounds = depth of the bottleneck chain.
     """
-    n = len(indptr) - 1
-    rate = np.zeros(n)
-    if n == 0:
-        return rate
+    if len(indptr) < 2:
+        return np.zeros(0)
     used, e = np.unique(edges, return_inverse=True)  # links in use, renumbered 0..U-1
-    U = len(used)
-    left = np.asarray(capacity, dtype=np.float64)[used]
-    count = np.bincount(e, minlength=U).astype(np.float64)  # unfrozen flows per link
-    ids = np.arange(n)  # unfrozen flows; their entries are compacted every round
-    hops = np.diff(indptr)
-    starts = np.asarray(indptr[:-1])
-    row = np.repeat(ids, hops)
+    return water_fill(np.diff(indptr), e, np.asarray(capacity, dtype=np.float64)[used])
+
+
+def water_fill(hops: np.ndarray, e: np.ndarray, capacity: np.ndarray, rate: np.ndarray | None = None,
+               free: np.ndarray | None = None) -> np.ndarray:
+    """``max_min_rates`` on links numbered ``0..len(capacity)-1``: flow i crosses the
+    ``hops[i]`` (>= 1) links ``e[sum(hops[:i]):sum(hops[:i+1])]``. A link no flow crosses
+    is ignored. ``rate`` and ``free``: a warm start (``fill``)."""
+    hops = np.asarray(hops, dtype=np.int64)
+    H = int(hops.max()) if len(hops) else 1
+    U = len(capacity)
+    return fill(pad_routes(hops, e, H, U), H, np.append(np.asarray(capacity, dtype=np.float64), np.inf), rate, free)
+
+
+def pad_routes(hops: np.ndarray, e: np.ndarray, H: int, pad: int) -> np.ndarray:
+    """CSR routes as ``H`` links per flow (row-major), the missing hops on link ``pad``."""
+    n = len(hops)
+    if len(e) == n * H:
+        return np.asarray(e, dtype=np.int64)
+    out = np.full((n, H), pad, dtype=np.int64)
+    out[np.arange(H) < hops[:, None]] = e
+    return out.reshape(-1)
+
+
+def fill(e: np.ndarray, H: int, capacity: np.ndarray, rate: np.ndarray | None = None,
+         free: np.ndarray | None = None) -> np.ndarray:
+    """Max-min rates (bytes/s) by the water-filling of ``max_min_rates``; flow i crosses
+    links ``e[i*H:(i+1)*H]``. The last link (``capacity[-1]`` = inf) pads routes of fewer
+    than ``H`` hops. Every route has the same length so that the per-flow minimum and
+    "any" are ``H`` strided operations (numpy's ``reduceat`` costs ten times more here).
+
+    Warm start: with ``free`` (bool per flow), only those flows are filled; the others
+    keep ``rate`` and their load is taken off their links first. Exact when the kept flows
+    are those of an earlier max-min solution whose rates lie below the lowest rate of the
+    flows removed since (``Network``): progressive filling up to that level did not
+    depend on the removed flows, whose links had not filled yet.
+    """
+    n = len(e) // H
+    U = len(capacity) - 1  # the padding link
+    left = np.array(capacity, dtype=np.float64)
+    if free is None:
+        rate = np.empty(n)
+        ids = np.arange(n)
+    else:
+        rate = np.array(rate, dtype=np.float64)
+        fixed = np.repeat(~free, H)
+        left -= np.bincount(e[fixed], weights=np.repeat(rate[~free], H), minlength=U + 1)
+        np.maximum(left, 0.0, out=left)
+        left[U] = np.inf
+        ids, e = np.flatnonzero(free), e[~fixed]
+    if len(ids) == 0:
+        return rate
+    count = np.bincount(e, minlength=U + 1).astype(np.float64)  # unfrozen flows per link
     with np.errstate(divide="ignore", invalid="ignore"):  # links left with no flow: 0/0
         while True:
             se = (left / count)[e]  # fair share of each entry's link
-            fmin = np.minimum.reduceat(se, starts)  # tightest share on each flow's path
-            fr = fmin[row]
+            fmin = se[0::H].copy()  # tightest share on each flow's path
+            for j in range(1, H):
+                np.minimum(fmin, se[j::H], out=fmin)
+            fr = np.repeat(fmin, H)
             # a link is a bottleneck when none of its flows sees a tighter link elsewhere
-            tighter = np.bincount(e, weights=fr < se * (1 - 1e-12), minlength=U)
-            hit = np.logical_or.reduceat(tighter[e] == 0, starts)
-            rate[ids[hit]] = fmin[hit]
+            # (the padding link never is: every flow on it sees a finite share elsewhere)
+            tighter = np.bincount(e, weights=fr < se * (1 - 1e-12), minlength=U + 1)
+            bottleneck = tighter[e] == 0
+            hit = bottleneck[0::H].copy()
+            for j in range(1, H):
+                hit |= bottleneck[j::H]
             if hit.all():
+                rate[ids] = fmin
                 return rate
-            hr = hit[row]
-            left = np.maximum(left - np.bincount(e, weights=fr * hr, minlength=U), 0.0)
-            count -= np.bincount(e, weights=hr, minlength=U)
-            keep = ~hit
-            ids, hops, e = ids[keep], hops[keep], e[~hr]
-            starts = np.zeros(len(ids), dtype=np.int64)
-            np.cumsum(hops[:-1], out=starts[1:])
-            row = np.repeat(np.arange(len(ids)), hops)
+            rate[ids[hit]] = fmin[hit]
+            hr = np.repeat(hit, H)
+            eh = e[hr]
+            left -= np.bincount(eh, weights=fr[hr], minlength=U + 1)
+            np.maximum(left, 0.0, out=left)
+            left[U] = np.inf
+            count -= np.bincount(eh, minlength=U + 1)
+            e, ids = e[~hr], ids[~hit]
+
+
+class _Component:
+    """Active flows that share links, directly or through one another (flow mode).
+
+    The max-min rates of one component do not depend on any other's, so each is re-shared
+    alone when its own flows change and has its own next finish: the EP groups of an
+    all-to-all phase, which share no link, cost one small solve per event of their own
+    instead of one solve of every flow of the fabric.
+
+    Per flow (columns of ``f``): remaining bytes, rate (bytes/s), start time (s);
+    ``group``: its ``start_flows`` call. Routes: ``used`` are the fabric edges the
+    component holds, ``route`` the ``H`` indices into ``used`` of each flow's links
+    (``len(used)`` pads shorter routes; ``fill``). ``last``: the time (s) up to which
+    ``f`` is advanced; ``gen`` numbers its re-sharings (a finish event of an older one is
+    stale).
+    """
+
+    __slots__ = ("H", "alive", "cid", "edge_on", "edge_rate", "f", "gen", "group", "groups", "last", "route",
+                 "settled", "used")
+
+    def __init__(self, cid: int, f: np.ndarray, group: np.ndarray, hops: np.ndarray, edges: np.ndarray,
+                 last: float):
+        self.cid, self.f, self.group = cid, f, group
+        self.used, loc = np.unique(edges, return_inverse=True)
+        self.H = int(hops.max())
+        self.route = pad_routes(hops, loc.reshape(-1), self.H, len(self.used))
+        self.edge_rate = np.zeros(len(self.used))  # bytes/s over each used edge
+        self.edge_on = np.zeros(len(self.used), dtype=bool)
+        self.groups = len(np.unique(group))  # distinct groups (1: an op's flows alone, the common case)
+        self.last, self.gen, self.alive = last, 0, True
+        #: flows whose rates lie below this (bytes/s) keep them at the next re-sharing
+        #: (``fill``'s warm start; only flows ended since the last one); 0: all anew
+        self.settled = 0.0
+
+    def routes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(hops, fabric edges) of the flows, as ``Fabric.paths`` gives them."""
+        real = self.route < len(self.used)
+        return real.reshape(-1, self.H).sum(axis=1), self.used[self.route[real]]
 
 
 class Network:
@@ -112,26 +211,24 @@ class Network:
         self.recomputations = 0  # max-min solves (flow mode), for speed measurements
         self._groups: dict[int, list] = {}  # id -> [event, flows outstanding]
         self._ids = itertools.count()
-        # active flows (flow mode), struct of arrays + CSR of their edges
-        self._rem = np.zeros(0)
-        self._t0 = np.zeros(0)  # activation time of each flow, s
-        self._group = np.zeros(0, dtype=np.int64)
-        self._indptr = np.zeros(1, dtype=np.int64)
-        self._edges = np.zeros(0, dtype=np.int64)
-        self._rate = np.zeros(0)
-        self._edge_rate = np.zeros(E)
-        self._last = env.now
-        self._gen = 0
+        # flow mode: components of active flows, and which component holds each edge (-1: none)
+        self._comps: dict[int, _Component] = {}
+        self._comp_ids = itertools.count()
+        self._edge_comp = np.full(E, -1, dtype=np.int64)
+        self._changed: set[int] = set()  # components to re-share at the end of this instant
         self._dirty = False
 
     # ---- starting transfers --------------------------------------------------------------
     def start_flows(self, src, dst, nbytes, tag=None, *, kind: str = "fabric",
-                    path_latency: bool = True, messages: float = 1.0) -> simpy.Event:
+                    path_latency: bool = True, messages: float = 1.0, nic_of_src=None) -> simpy.Event:
         """Start a group of flows ``src[i] -> dst[i]`` of ``nbytes[i]`` bytes (ranks).
 
         ``kind``: ``fabric`` (GPU to GPU), ``h2d`` (host to GPU ``dst``), ``d2h`` (GPU
-        ``src`` to host). ``messages``: library messages each flow carries (counted per
-        edge for the wire bytes). Returns an event that fires when every flow has arrived.
+        ``src`` to host), ``edge`` (``src[i]`` is the one fabric edge flow i crosses; see
+        ``Fabric.paths``). ``messages``: library messages each flow carries (counted per
+        edge for the wire bytes). ``nic_of_src``: per flow, the GPU whose NIC it leaves
+        the source node through (PXN; passed on to ``Fabric.paths``; None: the fabric's
+        own choice). Returns an event that fires when every flow has arrived.
         """
         src, dst, nbytes = np.broadcast_arrays(np.atleast_1d(np.asarray(src, dtype=np.int64)),
                                                np.atleast_1d(np.asarray(dst, dtype=np.int64)),
@@ -145,16 +242,25 @@ class Network:
         done = self.env.event()
         if len(nbytes) == 0:
             return done.succeed()
-        paths = self.fabric.paths(src, dst, kind)
+        if nic_of_src is None:
+            paths = self.fabric.paths(src, dst, kind)
+        else:
+            nic = np.broadcast_to(np.asarray(nic_of_src, dtype=np.int64), keep.shape)[keep]
+            paths = self.fabric.paths(src, dst, kind, nic_of_src=nic)
         self._check_up(paths.edges)
-        if kind == "fabric":
+        if kind not in ("h2d", "d2h"):  # library messages on the fabric (not PCIe copies)
             np.add.at(self.messages_by_edge, paths.edges, messages)
         self.bytes_by_tag[tag] = self.bytes_by_tag.get(tag, 0.0) + float(nbytes.sum())
         delay = paths.latency if path_latency else np.zeros(len(nbytes))
         if self.mode == "analytic":
             return self._start_analytic(paths, nbytes, float(delay.max()), done)
+        # every byte of a flow crosses every edge of its route: counted now, exactly
+        np.add.at(self.bytes_by_edge, paths.edges, np.repeat(nbytes, paths.hops))
         gid = next(self._ids)
         self._groups[gid] = [done, len(nbytes)]
+        if not path_latency:
+            self._activate((nbytes, np.full(len(nbytes), gid), paths.hops, paths.edges))
+            return done
         # one activation per distinct latency (a few: nvlink, leaf and spine paths)
         levels, which = np.unique(np.round(delay, 15), return_inverse=True)
         for k, lat in enumerate(levels):
@@ -174,8 +280,11 @@ class Network:
 
     def refresh(self) -> None:
         """Re-share bandwidth now, after ``fabric.set_capacity`` changed links mid-run."""
-        if self.mode == "flow" and len(self._rem):
-            self._check_up(self._edges)
+        if self.mode == "flow" and self._comps:
+            for c in self._comps.values():
+                self._check_up(c.used)
+                c.settled = 0.0
+            self._changed.update(self._comps)
             self._touch()
 
     def _check_up(self, edges: np.ndarray) -> None:
@@ -199,81 +308,119 @@ class Network:
         self._activate(batch)
 
     def _activate(self, batch) -> None:
+        """New flows join the components whose edges they cross, merged into one."""
         nbytes, group, hops, edges = batch
-        self._advance()
-        self._rem = np.concatenate([self._rem, nbytes])
-        self._t0 = np.concatenate([self._t0, np.full(len(nbytes), self.env.now)])
-        self._group = np.concatenate([self._group, group])
-        self._rate = np.concatenate([self._rate, np.zeros(len(nbytes))])
-        self._indptr = np.concatenate([self._indptr, self._indptr[-1] + np.cumsum(hops)])
-        self._edges = np.concatenate([self._edges, edges])
+        now = self.env.now
+        n = len(nbytes)
+        f = np.stack([nbytes, np.zeros(n), np.full(n, now)])
+        ids = np.unique(self._edge_comp[edges])
+        parts = [self._comps.pop(int(i)) for i in ids[ids >= 0]]
+        for c in parts:
+            self._advance(c)
+            c.alive = False  # its pending finish event is stale
+            self._changed.discard(c.cid)
+        if parts:
+            routes = [c.routes() for c in parts]
+            f = np.concatenate([c.f for c in parts] + [f], axis=1)
+            group = np.concatenate([c.group for c in parts] + [group])
+            hops = np.concatenate([r[0] for r in routes] + [hops])
+            edges = np.concatenate([r[1] for r in routes] + [edges])
+        cid = next(self._comp_ids)
+        comp = self._comps[cid] = _Component(cid, f, group, hops, edges, now)
+        self._edge_comp[comp.used] = cid
+        self._changed.add(cid)
         self._touch()
 
     def _touch(self) -> None:
-        """Recompute rates once per instant, after every flow change at this time."""
+        """Re-share the changed components once per instant, after every flow change at this time."""
         if not self._dirty:
             self._dirty = True
             self.env.timeout(0).callbacks.append(self._update)
 
     def _update(self, _event) -> None:
         self._dirty = False
-        self._advance()
-        n = len(self._rem)
-        if n == 0:
-            self._rate, self._edge_rate = np.zeros(0), np.zeros(self.fabric.num_edges)
-            return
-        self._rate = max_min_rates(self._indptr, self._edges, self.fabric.capacity)
-        self._edge_rate = np.bincount(self._edges, weights=np.repeat(self._rate, np.diff(self._indptr)),
-                                      minlength=self.fabric.num_edges)
+        changed, self._changed = sorted(self._changed), set()
+        for cid in changed:
+            comp = self._comps.get(cid)
+            if comp is not None:
+                self._share(comp)
+
+    def _share(self, comp: _Component) -> None:
+        """Max-min rates of one component, and its next finish event."""
+        self._advance(comp)
+        rem, rate, t0 = comp.f
+        U = len(comp.used)
+        cap = np.empty(U + 1)
+        cap[:U] = self.fabric.capacity[comp.used]
+        cap[U] = np.inf
+        if comp.settled > 0:  # only flows ended since: those below the lowest of their rates stay
+            free = rate >= comp.settled * (1 - 1e-9)
+            if free.any():
+                rate[:] = fill(comp.route, comp.H, cap, rate, free)
+        else:
+            rate[:] = fill(comp.route, comp.H, cap)
+            if not (rate > 0).all():
+                raise RunError("a flow has no bandwidth (a link on its path is down)")
         self.recomputations += 1
-        if not (self._rate > 0).all():
-            raise RunError("a flow has no bandwidth (a link on its path is down)")
-        self._gen += 1
-        left = self._rem / self._rate
+        comp.settled = np.inf
+        comp.edge_rate = np.bincount(comp.route, weights=np.repeat(rate, comp.H), minlength=U + 1)[:U]
+        comp.edge_on = comp.edge_rate > 0
+        comp.gen += 1
+        left = rem / rate
         dt = float(left.min())
         if self.coalesce > 0:  # wait for flows ending within coalesce x their age
-            window = left - dt <= self.coalesce * (self.env.now + left - self._t0)
+            window = left - dt <= self.coalesce * (self.env.now + left - t0)
             dt = float(left[window].max())
         dt = max(dt, 0.0)
-        self.env.timeout(dt).callbacks.append(partial(self._on_finish, self._gen, dt))
+        self.env.timeout(dt).callbacks.append(partial(self._on_finish, comp, comp.gen, dt))
 
-    def _advance(self) -> None:
-        """Move every active flow forward to ``env.now`` at its current rate."""
-        dt = self.env.now - self._last
-        self._last = self.env.now
-        if dt > 0 and len(self._rem):
-            self._rem -= self._rate * dt
-            self.bytes_by_edge += self._edge_rate * dt
-            self.busy_by_edge += dt * (self._edge_rate > 0)
+    def _advance(self, comp: _Component) -> None:
+        """Move a component's flows forward to ``env.now`` at their current rates."""
+        dt = self.env.now - comp.last
+        if dt > 0:
+            comp.last = self.env.now
+            comp.f[0] -= comp.f[1] * dt
+            self.busy_by_edge[comp.used] += dt * comp.edge_on
 
-    def _on_finish(self, gen: int, dt: float, _event) -> None:
-        if gen != self._gen:  # superseded by a later recomputation
+    def _on_finish(self, comp: _Component, gen: int, dt: float, _event) -> None:
+        """The flows of a component due now end; the rest are re-shared at once."""
+        if not comp.alive or gen != comp.gen:  # merged away, or re-shared since
             return
-        self._advance()
-        with np.errstate(divide="ignore"):  # flows started this instant have no rate yet: not done
-            left = self._rem / self._rate
+        self._advance(comp)
+        rem, rate, _ = comp.f
+        left = rem / rate
         # done (left <= 0 when coalesced), or within float rounding of done
         done = left <= REL_EPS * dt + 4 * np.spacing(self.env.now)
         if not done.any():  # float rounding left a sliver: finish the earliest flow
             done = left <= left.min()
-        # the slivers of finished flows still count as carried bytes
-        sliver = np.repeat(self._rem[done], np.diff(self._indptr)[done])
-        edge_done = np.repeat(done, np.diff(self._indptr))
-        np.add.at(self.bytes_by_edge, self._edges[edge_done], sliver)
-        gids, counts = np.unique(self._group[done], return_counts=True)
+        if comp.groups == 1:
+            gids, counts = comp.group[:1].tolist(), [int(done.sum())]
+        else:
+            gids, counts = np.unique(comp.group[done], return_counts=True)
+            gids, counts = gids.tolist(), counts.tolist()
+        comp.settled = min(comp.settled, float(rate[done].min()))
         keep = ~done
-        hops = np.diff(self._indptr)[keep]
-        self._edges = self._edges[~edge_done]
-        self._indptr = np.concatenate([[0], np.cumsum(hops)])
-        self._rem, self._group, self._rate = self._rem[keep], self._group[keep], self._rate[keep]
-        self._t0 = self._t0[keep]
-        for gid, count in zip(gids.tolist(), counts.tolist()):
+        comp.f, comp.group = comp.f[:, keep], comp.group[keep]
+        comp.route = route = comp.route[np.repeat(keep, comp.H)]
+        # edges no flow of the component crosses any more are free for others
+        U = len(comp.used)
+        held = np.bincount(route, minlength=U + 1)[:U] > 0
+        if not held.all():
+            self._edge_comp[comp.used[~held]] = -1
+            renumber = np.append(np.cumsum(held) - 1, held.sum())  # the padding link stays last
+            comp.route = renumber[route]
+            comp.used, comp.edge_on = comp.used[held], comp.edge_on[held]
+        if keep.any():
+            self._share(comp)  # now: nothing else changes this component at this instant first
+        else:
+            comp.alive = False
+            del self._comps[comp.cid]
+        for gid, count in zip(gids, counts):
             entry = self._groups[gid]
             entry[1] -= count
             if entry[1] == 0:
                 del self._groups[gid]
                 entry[0].succeed()
-        self._touch()
 
     # ---- statistics --------------------------------------------------------------------------
     def bytes_by_level(self) -> dict[str, float]:
@@ -331,4 +478,4 @@ class Network:
 
     @property
     def active_flows(self) -> int:
-        return len(self._rem)
+        return sum(c.f.shape[1] for c in self._comps.values())

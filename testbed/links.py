@@ -6,13 +6,17 @@ at the same rates. Links come in *blocks*, each a direction of one link class, i
 rank (W = GPUs) or micro-cluster (M):
 
 - ``nvlink_up[r]`` / ``nvlink_down[r]``: GPU r to / from its node's NVLink switch;
-- ``nic_up[r]`` / ``nic_down[r]``: GPU r's NIC to / from its micro-cluster's leaf;
+- ``nic_up[r]`` / ``nic_down[r]``: GPU r's NIC to / from its leaf;
 - ``h2d[r]`` / ``d2h[r]``: host memory of r's node to / from GPU r (PCIe);
-- ``spine_up[m]`` / ``spine_down[m]``: leaf m to / from the spine.
+- ``spine_up[l]`` / ``spine_down[l]``: leaf l to / from the spine.
 
-A leaf's spine uplink carries ``gpus_per_microcluster * spine.bandwidth /
-leaf_spine_oversubscription`` (the spine figure of a profile is a per-GPU share), a fluid
-model of ECMP spreading flows evenly over the real spine switches.
+Leaves (M21): one per micro-cluster, or with ``cluster.rail_optimized`` one per (micro-
+cluster, rail): NIC i of every node of micro-cluster m goes to leaf ``m * gpus_per_node +
+i`` (``leaf_of``), so that same-rail traffic of a micro-cluster crosses one leaf and
+cross-rail traffic crosses the spine. A leaf's spine uplink carries ``(GPUs under the
+leaf) * spine.bandwidth / leaf_spine_oversubscription`` (the spine figure of a profile is
+a per-GPU share), a fluid model of ECMP spreading flows evenly over the real spine
+switches; rails split a micro-cluster's uplink capacity between its leaves.
 """
 
 from __future__ import annotations
@@ -39,11 +43,29 @@ class BlockFigures(NamedTuple):
     level: int  # testbed.topology level code
 
 
+def rails(cluster) -> int:
+    """Leaves per micro-cluster: ``gpus_per_node`` with rail-optimised leaves, else 1."""
+    return cluster.gpus_per_node if getattr(cluster, "rail_optimized", False) else 1
+
+
+def leaf_count(cluster) -> int:
+    """Leaf switches of the cluster (module doc)."""
+    return cluster.microclusters * rails(cluster)
+
+
+def leaf_of(cluster, rank):
+    """The leaf rank ``rank``'s NIC goes to (ints or numpy arrays; module doc)."""
+    mc = rank // cluster.gpus_per_microcluster
+    r = rails(cluster)
+    return mc * r + rank % cluster.gpus_per_node if r > 1 else mc
+
+
 def fabric_blocks(cluster, profile) -> dict[str, BlockFigures]:
     """Every block of ``cluster`` (a ``ClusterConfig``) with ``profile``'s link figures."""
     links = profile.links
-    w, m = cluster.gpus, cluster.microclusters
-    uplink = cluster.gpus_per_microcluster * links.spine.bandwidth / cluster.leaf_spine_oversubscription
+    w, m = cluster.gpus, leaf_count(cluster)
+    per_leaf = cluster.gpus_per_microcluster // rails(cluster)
+    uplink = per_leaf * links.spine.bandwidth / cluster.leaf_spine_oversubscription
     figures = {"nvlink": (w, links.nvlink), "nic": (w, links.nic), "h2d": (w, links.pcie), "d2h": (w, links.pcie)}
     out = {}
     for block in BLOCKS:
@@ -66,29 +88,36 @@ def counted_bytes_by_level(before: dict, after: dict) -> dict[str, int]:
 
 def wired_blocks(cluster) -> tuple[str, ...]:
     """The network blocks a cluster really needs: no NVLink with one GPU per node, no
-    spine with one micro-cluster."""
+    spine with one leaf."""
     out = []
     for b in NETWORK_BLOCKS:
         if b.startswith("nvlink") and cluster.gpus_per_node == 1:
             continue
-        if b.startswith("spine") and cluster.microclusters == 1:
+        if b.startswith("spine") and leaf_count(cluster) == 1:
             continue
         out.append(b)
     return tuple(out)
 
 
-def route(cluster, src: int, dst: int) -> list[tuple[str, int]]:
+def route(cluster, src: int, dst: int, nic_of_src: int | None = None) -> list[tuple[str, int]]:
     """The directed links (block, index) of the fixed route from rank ``src`` to rank
-    ``dst``: same node: NVLink up and down; same micro-cluster: the two NICs; else the two
-    NICs and the spine up and down (none to itself). ``sim.fabric`` routes the same way."""
+    ``dst``: same node: NVLink up and down; else the NIC of ``nic_of_src`` (a GPU of
+    ``src``'s node, default ``src`` itself; another GPU is reached over NVLink first: PXN,
+    M21), the spine up and down when that NIC and ``dst``'s hang off different leaves, and
+    ``dst``'s NIC (none to itself). ``sim.fabric`` routes the same way."""
     if src == dst:
         return []
-    if src // cluster.gpus_per_node == dst // cluster.gpus_per_node:
+    per_node = cluster.gpus_per_node
+    if src // per_node == dst // per_node:
         return [("nvlink_up", src), ("nvlink_down", dst)]
-    m_src, m_dst = src // cluster.gpus_per_microcluster, dst // cluster.gpus_per_microcluster
-    if m_src == m_dst:
-        return [("nic_up", src), ("nic_down", dst)]
-    return [("nic_up", src), ("spine_up", m_src), ("spine_down", m_dst), ("nic_down", dst)]
+    nic = src if nic_of_src is None else nic_of_src
+    if nic // per_node != src // per_node:
+        raise ValueError(f"nic_of_src {nic} is not on the node of rank {src}")
+    out = [] if nic == src else [("nvlink_up", src), ("nvlink_down", nic)]
+    l_src, l_dst = leaf_of(cluster, nic), leaf_of(cluster, dst)
+    if l_src == l_dst:
+        return out + [("nic_up", nic), ("nic_down", dst)]
+    return out + [("nic_up", nic), ("spine_up", l_src), ("spine_down", l_dst), ("nic_down", dst)]
 
 
 def flows_through(cluster) -> dict[tuple[str, int], list[tuple[int, int]]]:

@@ -11,7 +11,9 @@ dataclasses below; ``field_docs()`` lists them):
 - ``[compute]``: peak FLOP/s per dtype, efficiency curves of expert GEMMs by tokens per
   expert for the grouped and the per-expert loop kernel (M22), memory bandwidth, launch;
 - ``[copy]``: host<->device copy bandwidth by page size, per-copy latency, overlap;
-- ``[collectives]``: algorithm per collective kind, per-call and per-step latency,
+- ``[collectives]``: algorithm per collective kind (or ``auto``: the least predicted
+  time, as NCCL's tuner picks), channels, PXN and switch-side reduction capabilities
+  (NVLink SHARP, in-network reduction), per-call, per-step and per-peer latency,
   communicator creation (M10), discovery;
 - ``[protocol]`` (optional): what the transport adds on the wire (headers, acknowledgements),
   for links whose figures are wire rates (an emulated cluster's shaped links);
@@ -41,13 +43,16 @@ from testbed.errors import ScenarioError
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 BUILTINS = ("local-cpu", "emulated", "a100-seed", "h200")
-#: algorithms the simulator can time, per collective kind (first = standard)
+#: algorithms the simulator can time, per collective kind (first = standard); ``auto``
+#: picks, per op, the one with the least predicted time alone on the fabric
 ALGORITHMS = {
-    "all_reduce": ("ring", "hierarchical"),
-    "reduce_scatter": ("ring", "all_reduce", "hierarchical"),  # all_reduce: gloo reduces the full tensor
-    "all_gather": ("ring", "hierarchical"),
+    "all_reduce": ("ring", "tree", "hierarchical", "nvls", "collnet", "auto"),
+    "reduce_scatter": ("ring", "all_reduce", "hierarchical", "nvls", "auto"),  # all_reduce: gloo reduces the full tensor
+    "all_gather": ("ring", "hierarchical", "nvls", "auto"),
     "all_to_all_v": ("direct",),
 }
+#: algorithms that need a capability of the profile: algorithm -> collectives flag
+NEEDS = {"nvls": "nvls", "collnet": "collnet"}
 MiB = 2**20
 
 
@@ -58,6 +63,14 @@ def _num(doc: str, check: Callable[[float], str | None] = positive):
 
 def _optional_num(doc: str, default: float, check: Callable[[float], str | None] = non_negative):
     return field(default=default, metadata={"doc": doc, "kind": "float", "check": check, "optional": True})
+
+
+def _optional_int(doc: str, default: int, check: Callable[[float], str | None] = non_negative):
+    return field(default=default, metadata={"doc": doc, "kind": "int", "check": check, "optional": True})
+
+
+def _flag(doc: str, default: bool = False):
+    return field(default=default, metadata={"doc": doc, "kind": "bool", "optional": True})
 
 
 def _text(doc: str, choices: tuple[str, ...] = ()):
@@ -183,18 +196,28 @@ class CopyFigures:
 
 @dataclass(frozen=True)
 class Algorithms:
-    """Algorithm the communication library runs for each collective kind."""
+    """Algorithm the communication library runs for each collective kind (M21; the
+    simulator's decomposition of each is in ``sim.collective_model``). ``auto`` picks, per
+    op, the algorithm with the least predicted time alone on the fabric (alpha-beta: fixed
+    latency + bytes of the busiest link / its bandwidth), as NCCL's tuner does, among ring,
+    tree (all_reduce) and those the profile's capabilities allow (nvls, collnet)."""
 
-    all_reduce: str = _text("ring, or hierarchical (reduce-scatter in each node, all-reduce across nodes, all-gather in each node)", ALGORITHMS["all_reduce"])
-    reduce_scatter: str = _text("ring, all_reduce (the library all-reduces the full tensor: gloo), or hierarchical (in each node, then across)", ALGORITHMS["reduce_scatter"])
-    all_gather: str = _text("ring, or hierarchical (across nodes, then in each node)", ALGORITHMS["all_gather"])
+    all_reduce: str = _text("ring (one ring per channel across nodes), tree (double binary trees across nodes, a "
+                            "chain in each node: latency ~ log2 nodes), hierarchical (reduce-scatter in each node, "
+                            "all-reduce across nodes, all-gather in each node, one after the other), nvls (NVLink "
+                            "SHARP in each node; needs collectives.nvls), collnet (in-network reduction across "
+                            "nodes; needs collectives.collnet) or auto", ALGORITHMS["all_reduce"])
+    reduce_scatter: str = _text("ring, all_reduce (the library all-reduces the full tensor: gloo), hierarchical (in "
+                                "each node, then across), nvls (in one node; needs collectives.nvls) or auto",
+                                ALGORITHMS["reduce_scatter"])
+    all_gather: str = _text("ring, hierarchical (across nodes, then in each node), nvls (in one node; needs "
+                            "collectives.nvls) or auto", ALGORITHMS["all_gather"])
     all_to_all_v: str = _text("direct (one message per pair)", ALGORITHMS["all_to_all_v"])
-
 
 
 @dataclass(frozen=True)
 class CollectiveFigures:
-    """Communication library costs."""
+    """Communication library costs and capabilities."""
 
     algorithm: Algorithms = _section(Algorithms, "algorithm per collective kind")
     latency_us: float = _num("fixed software cost of one collective call, us", non_negative)
@@ -205,6 +228,32 @@ class CollectiveFigures:
     step_latency_us: float = _optional_num(
         "software cost of each sequential step of an algorithm (a message arrives, the rank wakes and sends the "
         "next one; on CPU ranks that share cores, mostly the scheduler's wake-up), us; default 0", 0.0)
+    channels: int = _optional_int(
+        "channels (count) a ring or tree collective whose members span two or more nodes runs as, its bytes split "
+        "evenly over them; channel c's node crossings go through the NIC of rail c (M21), so a node's NICs carry "
+        "the crossings together; at most the fewest members on one node are used; 0 = one per GPU of a node (one "
+        "per NIC: NCCL), 1 = one ring in rank order, each crossing through the sending GPU's own NIC (gloo); "
+        "default 1 (what profiles written before the key existed meant)", 1)
+    all_to_all_peer_us: float = _optional_num(
+        "cost of each peer message of an all-to-all: a member posts a send to each member it sends to and a "
+        "receive from each it receives from, one after another (a uniform all-to-all: 2 (p-1)), and the call "
+        "waits for the member with the most, us per message; default 0", 0.0)
+    pxn: bool = _flag(
+        "PXN (NCCL's PCI x NVLink, M21): an inter-node all-to-all or p2p message first crosses NVLink to the GPU "
+        "of its node on the destination's rail and leaves through that GPU's NIC, so it stays on one rail (extra "
+        "NVLink bytes, no cross-rail spine traffic with cluster.rail_optimized); default false")
+    nvls: bool = _flag(
+        "NVLink SHARP (NVLS): the node's NVLink switch reduces and multicasts. All-reduce in a node puts "
+        "S (1 + 1/g) bytes up and down each member's NVLink (ring: 2 (g-1)/g S), reduce-scatter S up and S/g "
+        "down, all-gather n up and g n down (S tensor or input bytes, n per-member bytes, g members); across "
+        "nodes NVLS runs in each node, pipelined with a tree (or collnet) across nodes. Makes algorithm nvls "
+        "available (and a candidate of auto); default false")
+    collnet: bool = _flag(
+        "in-network reduction across nodes (InfiniBand SHARP, NCCL CollNet): a reduce-scatter in each node, each "
+        "member's S/g shard up its NIC once and the reduced shard down once (the leaf, or the spine when the "
+        "shard's members hang off several leaves, reduces; each such leaf's uplink carries one S/g per shard "
+        "each way), then an all-gather in each node, pipelined. Ring across nodes puts about 2 S/g on each NIC "
+        "each way. Makes algorithm collnet available (and a candidate of auto); default false")
 
 
 @dataclass(frozen=True)
@@ -287,7 +336,14 @@ class MachineProfile:
 # ---- reading and writing -------------------------------------------------------------
 def profile_from_dict(data: dict, label: str = "profile") -> MachineProfile:
     """Build a profile from a parsed TOML mapping; errors name ``profile LABEL: key``."""
-    return _build(MachineProfile, data, "", label)
+    profile = _build(MachineProfile, data, "", label)
+    c = profile.collectives
+    for kind in ALGORITHMS:
+        alg = getattr(c.algorithm, kind)
+        if alg in NEEDS and not getattr(c, NEEDS[alg]):
+            raise _error(label, f"collectives.algorithm.{kind}", alg,
+                         f"needs collectives.{NEEDS[alg]} = true (the machine's capability)")
+    return profile
 
 
 def load_profile(name_or_path: str | Path, search_dirs: Iterable[Path] | None = None) -> MachineProfile:
@@ -388,6 +444,18 @@ def _coerce(meta: dict, value: Any, key: str, label: str) -> Any:
         return dict(value)
     if kind == "records":
         return _records(meta, value, key, label)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise _error(label, key, value, "expected true or false")
+        return value
+    if kind == "int":
+        v = _number(value, key, label)
+        if v != int(v):
+            raise _error(label, key, value, "expected a whole number")
+        reason = meta["check"](v)
+        if reason:
+            raise _error(label, key, value, reason)
+        return int(v)
     if kind == "float":
         v = _number(value, key, label)
         reason = meta["check"](v)

@@ -79,6 +79,9 @@ class ClusterConfig:
     microclusters: int = doc("micro-clusters joined by the InfiniBand spine", 2, check=positive)
     profile: str = doc("machine profile: a built-in name (local-cpu, a100-seed, h200) or a TOML path", "local-cpu")
     leaf_spine_oversubscription: float = doc("leaf downlink / uplink bandwidth ratio (1 = non-blocking)", 1.0, check=positive)
+    rail_optimized: bool = doc("rail-optimised leaves (M21): NIC i of every node of a micro-cluster goes to leaf "
+                               "(micro-cluster, i), so cross-rail traffic crosses the spine; false = one leaf per "
+                               "micro-cluster", False)
 
     @property
     def gpus(self) -> int:
@@ -151,6 +154,7 @@ class CommConfig:
     group_cache_size: int = doc("M10: active groups (communicators) kept in the LRU cache", 100, check=positive)
     sync_batch_experts: int = doc("M9: experts per all-gather batch, on concurrent streams", 4, check=positive)
     payload_dtype: str = doc("dtype of dispatch/combine payloads: model (as model.dtype) or fp8 (M22 compression)", "model", choices=("model", "fp8"))
+    grad_bucket_bytes: int = doc("router gradients are all-reduced in buckets of at most this many bytes, filled in backward order, as torch DDP's bucket_cap_mb (25 MiB); 0 = every layer in one bucket", 25 * 2**20, check=non_negative, size=True)
 
 
 @dataclass

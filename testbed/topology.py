@@ -34,6 +34,8 @@ class Layout:
         self.world = c.gpus
         self.gpus_per_node = c.gpus_per_node
         self.gpus_per_microcluster = c.gpus_per_microcluster
+        #: leaves per micro-cluster: one per rail with rail-optimised leaves (M21), else 1
+        self.rails = c.gpus_per_node if getattr(c, "rail_optimized", False) else 1
         self.ep_size = p.ep_size
         self.replicas = c.gpus // p.ep_size
         self.num_experts = scenario.model.num_experts
@@ -60,12 +62,22 @@ class Layout:
     def microcluster(self, rank):
         return np.asarray(rank) // self.gpus_per_microcluster
 
+    def leaf(self, rank):
+        """The leaf switch ``rank``'s NIC hangs off (``testbed.links.leaf_of``): its
+        micro-cluster's, or with rail-optimised leaves its micro-cluster's leaf of its rail."""
+        rank = np.asarray(rank)
+        if self.rails == 1:
+            return self.microcluster(rank)
+        return self.microcluster(rank) * self.rails + rank % self.gpus_per_node
+
     def level(self, src, dst):
-        """Link level a transfer from ``src`` to ``dst`` crosses (arrays broadcast)."""
+        """Link level a transfer from ``src`` to ``dst`` crosses on its direct route
+        (arrays broadcast): NVLink inside a node, the leaf when both NICs hang off one
+        leaf, else the spine (a PXN relay, which changes the route, is not counted here)."""
         src, dst = np.asarray(src), np.asarray(dst)
         same_node = self.node(src) == self.node(dst)
-        same_mc = self.microcluster(src) == self.microcluster(dst)
-        return np.where(same_node, NVLINK, np.where(same_mc, LEAF, SPINE))
+        same_leaf = self.leaf(src) == self.leaf(dst)
+        return np.where(same_node, NVLINK, np.where(same_leaf, LEAF, SPINE))
 
     @cached_property
     def level_matrix(self) -> np.ndarray:

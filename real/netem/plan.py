@@ -200,6 +200,9 @@ def build_plan(cluster, profile, run_id: str | None = None, queue_bytes: int | N
         raise ScenarioError("real.network.run_id", run_id, "expected 6 lowercase hex characters")
     if queue_bytes is not None and not 0 < queue_bytes <= 2**31 - 1:
         raise ScenarioError("real.network.queue_bytes", queue_bytes, "expected 1 to 2**31 - 1 bytes")
+    if getattr(cluster, "rail_optimized", False):
+        raise ScenarioError("cluster.rail_optimized", True, "an emulated cluster wires one leaf per micro-cluster; "
+                            "it cannot wire rail-optimised leaves (set cluster.rail_optimized = false)")
     blocks = fabric_blocks(cluster, profile)
     wired = wired_blocks(cluster)
     crossing = flows_through(cluster)

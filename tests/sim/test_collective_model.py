@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import simpy
 
+from sim.analytic_timer import AnalyticTimer
 from sim.collective_model import CollectiveModel
 from sim.fabric import build_fabric
 from sim.network import Network
@@ -15,12 +16,13 @@ GB = 1e9
 NODE = ClusterConfig(gpus_per_node=8, nodes_per_microcluster=2, microclusters=1)
 
 
-def profile(nvlink=100.0, nic=10.0, link_latency_us=0.0, call_latency_us=0.0, reduce_scatter="ring"):
+def profile(nvlink=100.0, nic=10.0, link_latency_us=0.0, call_latency_us=0.0, reduce_scatter="ring",
+            all_reduce="ring", channels=0, peer_us=0.0):
     d = load_profile("h200").to_dict()
     d["links"]["nvlink"] = {"bandwidth_GBps": nvlink, "latency_us": link_latency_us}
     d["links"]["nic"] = {"bandwidth_GBps": nic, "latency_us": link_latency_us}
-    d["collectives"]["latency_us"] = call_latency_us
-    d["collectives"]["algorithm"]["reduce_scatter"] = reduce_scatter
+    d["collectives"].update(latency_us=call_latency_us, channels=channels, all_to_all_peer_us=peer_us)
+    d["collectives"]["algorithm"].update(reduce_scatter=reduce_scatter, all_reduce=all_reduce)
     return profile_from_dict(d, "test")
 
 
@@ -66,8 +68,18 @@ def test_nccl_tests_bus_bandwidth_equals_the_link():
 
 def test_a_ring_across_nodes_runs_at_the_nic():
     p, S = 16, 1.6 * GB
+    # one ring in rank order (gloo): two hops cross one NIC each
+    t = timed(op("all_reduce", range(p), S), profile(nic=10.0, channels=1))
+    assert t == pytest.approx(2 * (p - 1) / p * S / (10 * GB))
+    # NCCL: 8 channels, one per rail: the node's 8 NICs (80 GB/s) carry the crossings
     t = timed(op("all_reduce", range(p), S), profile(nic=10.0))
-    assert t == pytest.approx(2 * (p - 1) / p * S / (10 * GB))  # two hops cross the NICs
+    assert t == pytest.approx(2 * (p - 1) / p * S / (8 * 10 * GB))
+    # and where the NICs are fast, every NVLink port carries one channel each way: NVLink-bound
+    t = timed(op("all_reduce", range(p), S), profile(nic=50.0))
+    assert t == pytest.approx(2 * (p - 1) / p * S / (100 * GB))
+    # channels beyond the members per node are not used
+    t4 = timed(op("all_reduce", (0, 1, 8, 9), S), profile(nic=10.0))
+    assert t4 == pytest.approx(2 * 3 / 4 * S / (2 * 10 * GB))
 
 
 def test_gloo_reduce_scatter_takes_the_all_reduce_time_and_bytes():
@@ -128,7 +140,8 @@ def test_c13_all_to_all_bytes_per_layer_and_step():
     one_per_node = ClusterConfig(gpus_per_node=1, nodes_per_microcluster=8, microclusters=1)
     t = timed(d_op, seed, one_per_node)
     per_nic = dispatch[0].sum() * (p - 1) / p
-    assert t == pytest.approx(per_nic / 23e9, rel=0.01)
+    # call 20 us, 7 peer messages of 2 us each, one NIC-to-NIC path of 3 us
+    assert t == pytest.approx(per_nic / 23e9 + 20e-6 + 7 * 2e-6 + 3e-6, rel=0.01)
 
 
 def test_analytic_and_flow_modes_agree_on_collectives():
@@ -139,3 +152,57 @@ def test_analytic_and_flow_modes_agree_on_collectives():
         assert timed(o, prof, mode="analytic") == pytest.approx(timed(o, prof, mode="flow"), rel=0.05)
     skewed = op("all_to_all_v", range(16), matrix=rng.integers(0, 4_000_000, (16, 16)))
     assert timed(skewed, prof, mode="analytic") <= timed(skewed, prof, mode="flow") * 1.0001
+
+
+@pytest.mark.parametrize("alg", ["ring", "tree", "hierarchical", "nvls", "collnet"])
+def test_analytic_loads_are_the_routed_atom_flows(alg):
+    """One decomposition: AnalyticTimer.stage_loads = CollectiveModel.atom_flows routed by
+    Fabric.paths, stage by stage, for every algorithm."""
+    d = load_profile("h200").to_dict()
+    d["collectives"].update(nvls=True, collnet=True)
+    d["collectives"]["algorithm"]["all_reduce"] = alg
+    prof = profile_from_dict(d, "t")
+    c = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=2, microclusters=2)
+    model = CollectiveModel(Network(simpy.Environment(), build_fabric(c, prof), "analytic"), prof)
+    timer = AnalyticTimer(model)
+    o = op("all_reduce", (0, 1, 2, 3, 8, 9, 10, 11), 12_345_678)
+    loads = timer.stage_loads(o)
+    stages = model.stages(o)
+    assert len(loads) == len(stages)
+    for load, stage in zip(loads, stages):
+        want = np.zeros(model.fabric.num_edges)
+        fixed = 0.0
+        for a in stage:
+            f = model.atom_flows(a)
+            paths = model.fabric.paths(f.src, f.dst, f.kind, **({} if f.kind == "edge" else {"nic_of_src": f.nic_of_src}))
+            np.add.at(want, paths.edges, np.repeat(f.nbytes, paths.hops))
+            fixed = max(fixed, f.fixed_latency_s)
+        got = np.zeros(model.fabric.num_edges)
+        got[load.edges] = load.nbytes
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        assert load.fixed_s == pytest.approx(fixed)
+    assert timer.seconds(o) == pytest.approx(timed(o, prof, c, mode="analytic"), rel=1e-9)
+
+
+def test_cached_routes_follow_a_rerouted_nic():
+    prof = profile(all_reduce="ring")
+    model = CollectiveModel(Network(simpy.Environment(), build_fabric(NODE, prof), "analytic"), prof)
+    timer = AnalyticTimer(model)
+    o = op("all_reduce", range(16), GB)
+    before = set(timer.stage_loads(o)[0].edges.tolist())
+    nic0 = model.fabric.offset["nic_up"] + 0
+    assert nic0 in before
+    model.fabric.set_capacity((("gpu", 0), ("leaf", 0)), 0.0)
+    model.fabric.reroute_nic(0)
+    after = set(timer.stage_loads(o)[0].edges.tolist())
+    assert nic0 not in after and model.fabric.offset["nic_up"] + 1 in after
+
+
+def test_wire_bytes_on_fabric_of_switch_algorithms():
+    d = load_profile("h200").to_dict()
+    d["collectives"].update(nvls=True)
+    d["collectives"]["algorithm"]["all_reduce"] = "nvls"
+    prof = profile_from_dict(d, "t")
+    model = CollectiveModel(Network(simpy.Environment(), build_fabric(NODE, prof), "analytic"), prof)
+    o = op("all_reduce", range(8), 8_000_000)
+    assert model.wire_bytes_on_fabric(o) == 8 * 9_000_000  # S (1 + 1/8) up each member's port

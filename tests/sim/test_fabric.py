@@ -124,3 +124,45 @@ def test_the_simulator_imports_without_torch():
     code = ("import sys, sim, sim.fabric, sim.network, sim.collective_model, sim.compute; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_a_flow_can_leave_its_node_through_a_peers_nic():
+    f = build_fabric(cluster(), H200)  # 4 GPUs per node
+    # 1 -> 5 through GPU 3's NIC: NVLink to 3, 3's NIC, the leaf, 5's NIC
+    assert walk(f, f.paths([1], [5], nic_of_src=[3]).edges) == [("gpu", 1), ("nvswitch", 0), ("gpu", 3),
+                                                               ("leaf", 0), ("gpu", 5)]
+    same = f.paths([1, 2], [5, 3], nic_of_src=[1, 0])  # its own NIC; within a node nic_of_src is ignored
+    np.testing.assert_array_equal(same.edges, np.concatenate([f.path(1, 5), f.path(2, 3)]))
+    with pytest.raises(ValueError, match="not on the node"):
+        f.paths([1], [5], nic_of_src=[4])
+    assert f.rail_peer(1, 6).tolist() == 2 and f.rail_peer(9, 2).tolist() == 10
+
+
+def test_rail_optimised_leaves():
+    c = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=2, microclusters=2, rail_optimized=True)
+    f = build_fabric(c, H200)
+    assert f.leaves == 8 and f.num_edges == 6 * 16 + 2 * 8
+    assert f.graph.has_edge(("gpu", 5), ("leaf", 1)) and f.graph.has_edge(("gpu", 14), ("leaf", 6))
+    # leaf uplink: the 2 GPUs under a rail leaf x 48 GB/s
+    assert f.graph.edges[("leaf", 3), ("spine", 0)]["bandwidth"] == pytest.approx(2 * 48e9)
+    assert walk(f, f.path(1, 5)) == [("gpu", 1), ("leaf", 1), ("gpu", 5)]  # same rail
+    assert walk(f, f.path(1, 6)) == [("gpu", 1), ("leaf", 1), ("spine", 0), ("leaf", 2), ("gpu", 6)]
+    assert walk(f, f.paths([1], [6], nic_of_src=[2]).edges) == [("gpu", 1), ("nvswitch", 0), ("gpu", 2),
+                                                               ("leaf", 2), ("gpu", 6)]
+    assert walk(f, f.path(1, 13)) == [("gpu", 1), ("leaf", 1), ("spine", 0), ("leaf", 5), ("gpu", 13)]
+
+
+def test_edge_flows_and_rerouting_bump_the_routing_version():
+    f = build_fabric(cluster(), H200)
+    e = np.array([f.offset["nvlink_up"] + 3, f.offset["spine_down"] + 1])
+    p = f.paths(e, e, "edge")
+    np.testing.assert_array_equal(p.edges, e)
+    assert p.latency.tolist() == pytest.approx([0.5e-6, 0.5e-6])
+    with pytest.raises(ValueError):
+        f.paths([f.num_edges], [0], "edge")
+    v = f.routing_version
+    f.set_capacity((("gpu", 1), ("leaf", 0)), 0.0)
+    assert f.reroute_nic(1) == 0 and f.routing_version == v + 1
+    assert walk(f, f.nic_edges([1], up=True).edges) == [("gpu", 1), ("nvswitch", 0), ("gpu", 0), ("leaf", 0)]
+    assert walk(f, f.nic_edges([1], up=False).edges) == [("leaf", 0), ("gpu", 0), ("nvswitch", 0), ("gpu", 1)]
+    assert f.leaf_of_nic([1, 5]).tolist() == [0, 0]

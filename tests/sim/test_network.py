@@ -8,7 +8,7 @@ import pytest
 import simpy
 
 from sim.fabric import build_fabric
-from sim.network import Network, max_min_rates
+from sim.network import Network, max_min_rates, water_fill
 from testbed.errors import RunError
 from testbed.profile import load_profile, profile_from_dict
 from testbed.scenario import ClusterConfig
@@ -283,3 +283,107 @@ def test_wire_bytes_add_headers_acknowledgements_and_a_cost_per_message():
     payload = 2 * 10_000  # each of the 2 flows carries 2(p-1)/p x size = size, over 2 NIC links
     assert wire["leaf"] == round(2 * payload * (1 / 0.9 + 0.01) + 2 * 2 * 4 * 300)
     assert wire["nvlink"] == 0 and wire["spine"] == 0
+
+
+# ---- incremental sharing: components and warm starts --------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_a_warm_start_after_flows_end_gives_the_rates_of_a_solve_anew(seed):
+    """Flows that progressive filling froze below the lowest rate of the flows that ended
+    keep their rates; filling only the others gives the same max-min rates (ties too)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        links, n = int(rng.integers(5, 20)), int(rng.integers(2, 60))
+        hops = rng.integers(1, 5, n)
+        e = np.concatenate([rng.choice(links, h, replace=False) for h in hops])
+        capacity = np.round(rng.uniform(1, 10, links)) if rng.random() < 0.5 else rng.uniform(1, 10, links)
+        rate = water_fill(hops, e, capacity)
+        gone = rng.random(n) < rng.uniform(0.05, 0.5)
+        if gone.all() or not gone.any():
+            continue
+        keep = ~gone
+        left_e = e[np.repeat(keep, hops)]
+        free = rate[keep] >= rate[gone].min() * (1 - 1e-9)
+        warm = water_fill(hops[keep], left_e, capacity, rate[keep], free)
+        np.testing.assert_allclose(warm, water_fill(hops[keep], left_e, capacity), rtol=1e-12)
+
+
+def reference_finish_times(fabric, flows):
+    """Finish time of each flow (start s, src, dst, bytes), by re-solving every active
+    flow from scratch at every start and finish (no components, no warm start)."""
+    order = sorted(range(len(flows)), key=lambda i: flows[i][0])
+    now, active, out = 0.0, {}, {}
+    while order or active:
+        ids = list(active)
+        nxt_start = flows[order[0]][0] if order else np.inf
+        if ids:
+            routes = [fabric.path(flows[i][1], flows[i][2]) for i in ids]
+            indptr = np.concatenate([[0], np.cumsum([len(r) for r in routes])])
+            rate = max_min_rates(indptr, np.concatenate(routes), fabric.capacity)
+            left = np.array([active[i] for i in ids]) / rate
+            dt = min(left.min(), nxt_start - now)
+        else:
+            dt = nxt_start - now
+        for k, i in enumerate(ids):
+            active[i] -= rate[k] * dt
+        now += dt
+        for k, i in enumerate(ids):
+            if left[k] <= dt * (1 + 1e-12):
+                out[i] = now
+                del active[i]
+        while order and flows[order[0]][0] <= now:
+            i = order.pop(0)
+            active[i] = flows[i][3]
+    return [out[i] for i in range(len(flows))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_sharing_matches_re_solving_everything(seed):
+    """Random flows starting at random times over NVLink, leaf and spine links: flows
+    merge into components and leave them; with exact events the finish times are those
+    of solving every flow anew at every change."""
+    rng = np.random.default_rng(seed)
+    env, n = net(gpn=2, npm=2, mcs=2, spine=5.0)
+    n.coalesce = 0.0
+    W = n.fabric.world
+    flows = []
+    for _ in range(30):
+        src, dst = rng.choice(W, 2, replace=False)
+        flows.append((float(rng.choice([0.0, rng.uniform(0, 2)])), int(src), int(dst), float(rng.uniform(1, 20)) * GB))
+    got = {}
+
+    def start(i, t, src, dst, nbytes):
+        yield env.timeout(t)
+        yield n.transfer(src, dst, nbytes, path_latency=False)
+        got[i] = env.now
+
+    for i, f in enumerate(flows):
+        env.process(start(i, *f))
+    env.run()
+    expected = reference_finish_times(n.fabric, flows)
+    np.testing.assert_allclose([got[i] for i in range(len(flows))], expected, rtol=1e-9)
+    assert n.active_flows == 0 and not n._comps
+    assert n.bytes_by_edge.sum() == pytest.approx(sum(f[3] * len(n.fabric.path(f[1], f[2])) for f in flows))
+
+
+def test_flows_on_disjoint_links_are_shared_apart():
+    """Two NVLink transfers in different nodes share no link: each is its own component,
+    re-shared only at its own start and finish."""
+    env, n = net(gpn=2, npm=2, mcs=1)
+    a, b = n.transfer(0, 1, 10 * GB), n.transfer(2, 3, 30 * GB)  # 100 GB/s NVLink each
+    assert len(n._comps) == 2
+    t = finish_times(env, {"a": a, "b": b})
+    assert t == pytest.approx({"a": 0.1, "b": 0.3})
+    assert n.recomputations == 2  # one share each at the start; nothing left to share after
+    assert not n._comps and (n._edge_comp == -1).all()
+
+
+def test_a_flow_across_two_components_merges_them():
+    env, n = net(gpn=2, npm=2, mcs=1)
+    n.transfer(0, 2, 10 * GB)  # gpu0 NIC up, gpu2 NIC down
+    n.transfer(1, 3, 10 * GB)  # gpu1 NIC up, gpu3 NIC down
+    assert len(n._comps) == 2
+    n.transfer(0, 3, 10 * GB)  # shares gpu0's uplink with the first, gpu3's downlink with the second
+    assert len(n._comps) == 1 and n.active_flows == 3
+    env.run()
+    # gpu0's uplink and gpu3's downlink each carry two flows: 5 GB/s for all three
+    assert env.now == pytest.approx(2.0)

@@ -105,8 +105,8 @@ def test_bad_values_name_the_profile_key(tmp_path):
     assert err.field == "profile h200: links.nvlink.bandwidth_GBps" and "> 0" in err.reason
     err = _broken(tmp_path, lambda d: d["links"]["nic"].update(latency_us="fast"))
     assert err.field == "profile h200: links.nic.latency_us"
-    err = _broken(tmp_path, lambda d: d["collectives"]["algorithm"].update(all_reduce="tree"))
-    assert err.field.endswith("collectives.algorithm.all_reduce") and "ring" in err.reason
+    err = _broken(tmp_path, lambda d: d["collectives"]["algorithm"].update(all_reduce="butterfly"))
+    assert err.field.endswith("collectives.algorithm.all_reduce") and "ring" in err.reason and "auto" in err.reason
     err = _broken(tmp_path, lambda d: d["compute"]["efficiency"].update(grouped=[[512, 0.5], [256, 0.6]]))
     assert err.field.endswith("compute.efficiency.grouped") and "increasing" in err.reason
     err = _broken(tmp_path, lambda d: d["compute"]["efficiency"].update(loop=[[512, 1.5]]))
@@ -115,6 +115,44 @@ def test_bad_values_name_the_profile_key(tmp_path):
     assert err.field == "profile h200: copy.overlapp" and "overlap" in err.reason
     err = _broken(tmp_path, lambda d: d["overheads"].pop("router_us"))
     assert err.field == "profile h200: overheads.router_us" and "missing" in err.reason
+
+
+def test_collective_capabilities_and_channels_are_checked(tmp_path):
+    err = _broken(tmp_path, lambda d: d["collectives"].update(channels=2.5))
+    assert err.field == "profile h200: collectives.channels" and "whole" in err.reason
+    err = _broken(tmp_path, lambda d: d["collectives"].update(channels=-1))
+    assert err.field == "profile h200: collectives.channels"
+    err = _broken(tmp_path, lambda d: d["collectives"].update(all_to_all_peer_us=-1.0))
+    assert err.field == "profile h200: collectives.all_to_all_peer_us"
+    err = _broken(tmp_path, lambda d: d["collectives"].update(pxn="yes"))
+    assert err.field == "profile h200: collectives.pxn" and "true or false" in err.reason
+    # an algorithm that needs a switch capability the profile does not claim
+    err = _broken(tmp_path, lambda d: d["collectives"]["algorithm"].update(all_reduce="nvls"))
+    assert err.field == "profile h200: collectives.algorithm.all_reduce" and "collectives.nvls" in err.reason
+    err = _broken(tmp_path, lambda d: d["collectives"]["algorithm"].update(all_reduce="collnet"))
+    assert "collectives.collnet" in err.reason
+    d = load_profile("h200").to_dict()
+    d["collectives"].update(nvls=True, channels=4)
+    d["collectives"]["algorithm"].update(all_reduce="nvls", all_gather="nvls")
+    p = profile_from_dict(d, "ok")
+    assert p.collectives.nvls is True and p.collectives.channels == 4 and p.collectives.algorithm.all_gather == "nvls"
+
+
+def test_collective_defaults_keep_older_profiles_loading():
+    d = load_profile("h200").to_dict()
+    for key in ("channels", "all_to_all_peer_us", "pxn", "nvls", "collnet"):
+        del d["collectives"][key]
+    c = profile_from_dict(d, "old").collectives
+    assert (c.channels, c.all_to_all_peer_us, c.pxn, c.nvls, c.collnet) == (1, 0.0, False, False, False)  # an older file meant one ring in rank order
+    assert load_profile("h200").collectives.algorithm.all_reduce == "auto"
+    assert load_profile("a100-seed").collectives.algorithm.all_reduce == "auto"
+    for gloo in ("local-cpu", "emulated"):  # gloo: one ring in rank order, its reduce-scatter an all-reduce
+        g = load_profile(gloo).collectives
+        assert (g.channels, g.algorithm.all_reduce, g.algorithm.reduce_scatter) == (1, "ring", "all_reduce")
+    docs = dict(field_docs())
+    for key in ("channels", "all_to_all_peer_us", "pxn", "nvls", "collnet"):
+        assert docs[f"collectives.{key}"]
+    assert "us per message" in docs["collectives.all_to_all_peer_us"]
 
 
 def test_unreadable_toml(tmp_path):
