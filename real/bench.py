@@ -1,4 +1,4 @@
-"""Micro-benchmarks that ``testbed calibrate`` runs in rank processes.
+"""Micro-benchmarks that ``testbed calibrate`` and ``testbed collective`` run in rank processes.
 
 Ranks are started as a real run starts them (spawned, pinned to cores, gloo; on an
 emulated cluster each in its network namespace) and measure, all at the same time:
@@ -12,6 +12,9 @@ emulated cluster each in its network namespace) and measure, all at the same tim
 - ``ffn_seconds`` on every rank at once: an expert FFN forward + backward (compute
   contention for cores and memory).
 
+``collective_table`` (``testbed collective --backend real``) times one collective kind
+by size as nccl-tests does, on the same ranks (``spawn_ranks``).
+
 Nothing here fits anything; ``real.calibrate`` does.
 """
 
@@ -22,6 +25,7 @@ import pickle
 import queue as queue_mod
 import tempfile
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,13 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from real.comm import Comm
+from real.comm import Comm, _all_gather_tensor, _reduce_scatter_tensor, all_to_all_p2p
 from real.launch import pin_to_core
-from real.netem import join_rank_network
+from real.netem import EmulatedFabric, join_rank_network
 from real.paged_store import PagedExpertStore
 from testbed.collectives import ByteLedger
 from testbed.errors import RunError
 from testbed.pager import RankPager
+from testbed.profile import load_profile
 from testbed.scenario import PagerConfig, Scenario
 from testbed.topology import Layout
 
@@ -128,19 +133,28 @@ def ffn_seconds(tokens: int, hidden: int, ffn: int, reps: int = 5) -> float:
     return float(np.median(out))
 
 
-def _rank_main(rank: int, world: int, store_path: str, q, reps: int, shape: tuple[int, int, int],
-               netns: tuple[str, str] | None, loopback: bool):
+def _calibration_work(rank: int, world: int, report, reps: int, shape: tuple[int, int, int], loopback: bool) -> dict:
+    """What one rank of ``testbed calibrate`` measures (module doc)."""
+    out = {"latency": software_latency(rank, world, reps, emulated=not loopback)}
+    if loopback:
+        out["link_Bps"] = link_rate(rank, world, reps)
+    dist.barrier()
+    out["busy_ffn_s"] = ffn_seconds(*shape)  # every rank at once: contention for cores and memory
+    return out
+
+
+def _rank_main(rank: int, world: int, store_path: str, q, work, args: tuple, netns: tuple[str, str] | None,
+               device: str):
     try:
         join_rank_network(netns)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        pin_to_core(rank)  # as the real backend's ranks run
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
-        out = {"latency": software_latency(rank, world, reps, emulated=not loopback)}
-        if loopback:
-            out["link_Bps"] = link_rate(rank, world, reps)
-        dist.barrier()
-        out["busy_ffn_s"] = ffn_seconds(*shape)  # every rank at once: contention for cores and memory
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            pin_to_core(rank)  # as the real backend's ranks run
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.FileStore(store_path, world),
+                                rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        out = work(rank, world, lambda payload: q.put(("progress", rank, pickle.dumps(payload))), *args)
         q.put(("done", rank, pickle.dumps(out)))
         dist.barrier()
         dist.destroy_process_group()
@@ -148,18 +162,21 @@ def _rank_main(rank: int, world: int, store_path: str, q, reps: int, shape: tupl
         q.put(("error", rank, f"{type(e).__name__}: {e}"))
 
 
-def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=None) -> dict:
-    """Run the rank benchmarks with ``world`` ranks (on ``fabric``'s namespaces when given).
-
-    Returns ``latency`` rows (the slowest member's seconds per row), ``link_Bps`` (loopback:
-    the median over ranks) and ``busy_ffn_s`` (median over ranks)."""
+def spawn_ranks(world: int, work, args: tuple = (), fabric=None, device: str = "cpu", what: str = "calibration",
+                on_progress=None) -> dict[int, object]:
+    """Run ``work(rank, world, report, *args)`` in ``world`` spawned rank processes that
+    share one process group (gloo; NCCL with ``device = "cuda"``, one GPU per rank), CPU
+    ranks pinned to cores as a real run pins them, each in its namespace of ``fabric``
+    (an ``EmulatedFabric``) when given. ``work`` is a module-level function; ``report(x)``
+    hands ``x`` to ``on_progress(rank, x)`` in this process at once. Returns rank -> what
+    ``work`` returned; a rank that fails, or no word from the ranks for 10 minutes, raises
+    ``RunError`` naming ``what``."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="testbed-calibrate-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="testbed-bench-") as tmp:
         procs = [ctx.Process(target=_rank_main, args=(
-            r, world, str(Path(tmp) / "store"), q, reps, shape,
-            fabric.rank_network(r) if fabric is not None else None, fabric is None))
-            for r in range(world)]
+            r, world, str(Path(tmp) / "store"), q, work, args,
+            fabric.rank_network(r) if fabric is not None else None, device)) for r in range(world)]
         for p in procs:
             p.start()
         results = {}
@@ -168,15 +185,28 @@ def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=Non
                 try:
                     kind, rank, payload = q.get(timeout=600)
                 except queue_mod.Empty:
-                    raise RunError(f"calibration with {world} ranks made no progress for 10 minutes") from None
+                    raise RunError(f"{what} with {world} ranks made no progress for 10 minutes") from None
                 if kind == "error":
-                    raise RunError(f"calibration rank {rank} failed: {payload}")
+                    raise RunError(f"{what} rank {rank} failed: {payload}")
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(rank, pickle.loads(payload))
+                    continue
                 results[rank] = pickle.loads(payload)
         finally:
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
+    return results
+
+
+def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=None) -> dict:
+    """Run the rank benchmarks with ``world`` ranks (on ``fabric``'s namespaces when given).
+
+    Returns ``latency`` rows (the slowest member's seconds per row), ``link_Bps`` (loopback:
+    the median over ranks) and ``busy_ffn_s`` (median over ranks)."""
+    results = spawn_ranks(world, _calibration_work, (reps, shape, fabric is None), fabric)
     rows = [dict(r) for r in results[0]["latency"]]
     for i, row in enumerate(rows):  # the slowest member sets a collective's pace
         row["seconds"] = max(results[k]["latency"][i]["seconds"] for k in results)
@@ -184,6 +214,91 @@ def measure_world(world: int, reps: int, shape: tuple[int, int, int], fabric=Non
     if fabric is None:
         out["link_Bps"] = float(np.median([results[k]["link_Bps"] for k in results if results[k]["link_Bps"] > 0]))
     return out
+
+
+# ---- one collective by size, as nccl-tests times it -----------------------------------------
+def _collective_call(kind: str, nbytes: int, rank: int, world: int, device, p2p_all_to_all: bool):
+    """A call of ``kind`` on float32 buffers allocated once, ``nbytes`` counted as nccl-tests
+    counts them (``testbed.collective_cli``): all_reduce a buffer of nbytes in place;
+    all_gather nbytes / world from each rank into an output of nbytes; reduce_scatter an
+    input of nbytes into nbytes / world; all_to_all_v nbytes / world to each rank (itself
+    included) from a send buffer of nbytes into a receive buffer of nbytes. The all-to-all
+    is the one a real run on this network issues (``real.comm.Comm.all_to_all``)."""
+    count = nbytes // 4
+    part = count // world
+    x = torch.zeros(count if kind != "all_gather" else part, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if kind == "all_gather":
+        out = torch.empty(part * world, device=device)
+        return lambda: _all_gather_tensor(out, x)
+    if kind == "reduce_scatter":
+        out = torch.empty(part, device=device)
+        return lambda: _reduce_scatter_tensor(out, x)
+    out = torch.empty_like(x)
+    split = [part] * world
+    if p2p_all_to_all:
+        return lambda: all_to_all_p2p(out, x, split, split, list(range(world)), rank, None)
+    return lambda: dist.all_to_all_single(out, x, split, split)
+
+
+def _collective_work(rank: int, world: int, report, kind: str, sizes: list[int], iters: int, warmup: int,
+                     p2p_all_to_all: bool) -> None:
+    """Per size: ``warmup`` calls, then ``iters`` back to back after a barrier, timed
+    around them (the device synchronised on CUDA); the seconds per call are averaged over
+    the ranks with an all-reduce, as nccl-tests does, and rank 0 reports each size as
+    ``(nbytes, mean seconds, slowest rank's seconds)``."""
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for nbytes in sizes:
+        call = _collective_call(kind, nbytes, rank, world, device, p2p_all_to_all)
+        for _ in range(warmup):
+            call()
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+        seconds = (time.perf_counter() - t0) / iters
+        del call
+        mean, slowest = (torch.tensor([seconds], dtype=torch.float64, device=device) for _ in range(2))
+        dist.all_reduce(mean)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            report((nbytes, float(mean) / world, float(slowest)))
+
+
+def collective_table(scenario: Scenario, kind: str, sizes: list[int], iters: int = 20, warmup: int = 5,
+                     on_row=None) -> dict:
+    """Time one collective ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter`` or
+    ``all_to_all_v``) at each of ``sizes`` (bytes, nccl-tests' sizes: ``_collective_call``)
+    on ``scenario.world_size`` ranks of this machine: gloo CPU ranks over the loopback, or
+    on the emulated cluster of ``scenario.cluster`` when ``real.network = "emulated"``;
+    NCCL with one GPU per rank when this machine has the GPUs (and ``real.device`` is not
+    cpu). ``on_row(row)`` gets each row as soon as it is measured. Returns ``library``
+    (gloo or nccl), ``device`` and ``rows``: ``size``, ``seconds`` (mean over ranks of the
+    seconds per call), ``seconds_max`` (the slowest rank's), ``algorithm`` (the library:
+    which algorithm it ran is its own choice)."""
+    world = scenario.world_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if scenario.real.device != "cpu" and gpus >= world else "cpu"
+    if scenario.real.device == "cuda" and device != "cuda":
+        raise RunError(f"real.device = cuda needs {world} GPUs, this machine has {gpus}")
+    emulated = scenario.real.network == "emulated"
+    library = "nccl" if device == "cuda" else "gloo"
+    rows = []
+
+    def row(_rank, got):
+        rows.append({"size": got[0], "seconds": got[1], "seconds_max": got[2], "algorithm": library})
+        if on_row is not None:
+            on_row(rows[-1])
+
+    with EmulatedFabric(scenario, load_profile(scenario.cluster.profile)) if emulated else nullcontext() as fabric:
+        spawn_ranks(world, _collective_work, (kind, list(sizes), iters, warmup, emulated and device == "cpu"),
+                    fabric, device, f"{kind} benchmark", on_progress=row)
+    return {"library": library, "device": device, "rows": rows}
 
 
 def page_touch_us(expert_bytes: int = 256 * 1024, small_page: int = 4096, experts: int = 8, reps: int = 20) -> dict:

@@ -24,6 +24,12 @@ a fixed cost per call plus a cost per MB of the stage's data, except for communi
 stages, which get a fixed cost only (a cost per byte there would stand in for the
 network model).
 
+Every table is measured per world size, and the simulator applies a row only at the
+world it was measured at; at other worlds it runs its model with the parameters fitted
+to the rows (``sim.software_latency``: a least-squares line in world through the
+measured worlds, one world's constant when only one was measured), counted as fitted.
+Measure the worlds you will simulate (``--ranks``).
+
 The profile records machine, library versions and date, and says how it was made.
 """
 

@@ -25,6 +25,8 @@ import numpy as np
 from testbed.profile import MachineProfile
 from testbed.scenario import DTYPE_BYTES
 
+from sim.software_latency import fit_at
+
 GEMMS_FORWARD = 2  # x @ w1, h @ w2
 GEMMS_BACKWARD = 4  # input and weight gradient of each matrix
 
@@ -114,11 +116,18 @@ class ComputeModel:
 
 def contention_factor(profile: MachineProfile, world: int) -> float:
     """How much slower one rank computes with ``world`` ranks on the machine, all computing
-    at once: ``measured.compute_scale`` (nearest measured world), else ranks per shared
-    core (``compute.host_cores``), else 1."""
+    at once. Without ``measured.compute_scale``: ranks per shared core
+    (``compute.host_cores``), else 1. With it: the factor of ``world`` where it was
+    measured; elsewhere fitted, never below 1 (``sim.software_latency.fit_at``): the
+    least-squares line in world through the measured worlds, or with one measured world
+    ``w0`` the ranks-per-core rule with the cores fitted to it, ``factor(w0) x world / w0``."""
     rows = profile.measured.compute_scale
     if not rows:
         cores = profile.compute.host_cores
         return max(1.0, world / cores) if cores > 0 else 1.0
-    nearest = min(rows, key=lambda r: (abs(r["world"] - world), r["world"]))
-    return float(nearest["factor"])
+    fit = fit_at(world, [(r["world"], r["factor"]) for r in rows])
+    if fit.measured:
+        return fit.value
+    if len({r["world"] for r in rows}) == 1:
+        return max(1.0, float(rows[0]["factor"]) * world / rows[0]["world"])
+    return max(1.0, fit.value)

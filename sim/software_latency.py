@@ -1,22 +1,94 @@
-"""The communication library's software cost per call and per algorithm step (seconds):
-measured on a calibrated profile, else the profile's own figures."""
+"""Software costs from a calibrated profile's measured tables, and the rule for where they apply.
+
+A calibrated profile (``testbed calibrate``) measured its tables at a few world sizes
+(``measured.collective_latency``, ``compute_scale``, ``stage_us``: one row per measured
+world). A row applies only at the world it was measured at. At any other world the
+simulator's own model runs, with its parameters fitted to the rows (``fit_at``): a
+least-squares line in the world size through every measured world (the costs grow with
+ranks per core, and the cores are the calibrated machine's), or, with one measured world
+only, that world's constant. Either way the result is *fitted*, and says how
+(``source``).
+
+- ``SoftwareLatency``: the communication library's cost per call and per sequential
+  algorithm step (seconds), which the collective model adds to the network's time of
+  the bytes; the profile's ``collectives`` figures when nothing was measured;
+- ``stage_host_seconds``: the host's cost per stage call (``measured.stage_us``).
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
+
 from testbed.profile import MachineProfile
+from testbed.scenario import Scenario
+from testbed.stages import stage_variant
+
+
+class Fit(NamedTuple):
+    """A value for one world from a measured table: ``measured`` when the world was
+    measured, else fitted; ``how`` says which, in words."""
+
+    value: float
+    measured: bool
+    how: str
+
+
+def fit_at(world: int, points: list[tuple[int, float]]) -> Fit:
+    """The value at ``world`` from measured (world, value) ``points``: the measured value
+    where ``world`` is among them; else the least-squares line through them at ``world``
+    (points at two or more worlds), or the constant of the one measured world."""
+    for w, v in points:
+        if w == world:
+            return Fit(float(v), True, f"measured at world {world}")
+    worlds = sorted({w for w, _ in points})
+    if len(worlds) == 1:
+        return Fit(float(points[0][1]), False, f"fitted: the constant of world {worlds[0]}, the only one measured")
+    x, y = np.array([p[0] for p in points], dtype=np.float64), np.array([p[1] for p in points], dtype=np.float64)
+    slope, intercept = np.polyfit(x, y, 1)
+    return Fit(float(intercept + slope * world), False,
+               "fitted: a least-squares line in world over worlds " + ", ".join(map(str, worlds)))
 
 
 class SoftwareLatency:
-    """The communication library's software cost: per call and per sequential algorithm
-    step, seconds. From a calibrated profile's ``measured.collective_latency`` (the entry of
-    the measured world nearest to the scenario's: the cost grows with ranks per core), which
-    makes them *fitted* constants, or else the profile's ``collectives`` figures."""
+    """The communication library's software cost: per call (``call_s``) and per
+    sequential algorithm step (``step_s``), seconds, at ``world`` ranks.
+
+    From a calibrated profile's ``measured.collective_latency`` (module doc: the row of
+    ``world`` where it was measured, else fitted to the rows; never below 0), which makes
+    them *fitted* constants; else the profile's ``collectives`` figures (not fitted).
+    ``source`` says which."""
 
     def __init__(self, profile: MachineProfile, world: int):
         rows = profile.measured.collective_latency
         if rows:
-            row = min(rows, key=lambda r: (abs(r["world"] - world), r["world"]))
-            self.call_s, self.step_s, self.fitted = row["call_us"] * 1e-6, row["step_us"] * 1e-6, True
+            call = fit_at(world, [(r["world"], r["call_us"]) for r in rows])
+            step = fit_at(world, [(r["world"], r["step_us"]) for r in rows])
+            self.call_s, self.step_s, self.fitted = max(call.value, 0.0) * 1e-6, max(step.value, 0.0) * 1e-6, True
+            self.source, self.measured_here = call.how, call.measured
         else:
             c = profile.collectives
             self.call_s, self.step_s, self.fitted = c.latency_us * 1e-6, c.step_latency_us * 1e-6, False
+            self.source, self.measured_here = "the profile's collectives figures", False
+
+
+def stage_host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple[float, float]]:
+    """Host cost per stage call: stage -> (seconds, seconds per byte of the stage's work),
+    from ``measured.stage_us`` (module doc: each (stage, variant)'s row of the scenario's
+    world where measured, else fitted to its rows, never below 0; for token stages and
+    expert sync the entry of the scenario's strategy when there is one, else the generic
+    one). Empty when nothing was measured."""
+    rows = profile.measured.stage_us
+    world = scenario.world_size
+    comm = scenario.comm
+    by_entry: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r["variant"] in ("", stage_variant(r["stage"], comm.token_strategy, comm.expert_sync)):
+            by_entry.setdefault((r["stage"], r["variant"]), []).append(r)
+    out: dict[str, tuple[float, float]] = {}
+    for (stage, variant), entry in sorted(by_entry.items()):  # "" first: a matching variant overrides it
+        us = fit_at(world, [(r["world"], r["us"]) for r in entry]).value
+        per_mb = fit_at(world, [(r["world"], r["us_per_MB"]) for r in entry]).value
+        out[stage] = (max(us, 0.0) * 1e-6, max(per_mb, 0.0) * 1e-12)
+    return out

@@ -26,6 +26,8 @@ TOOLS = {
     "net-clean": "real.netem:clean",  # remove what killed emulated runs left behind
     "net-probe": "real.netem.probe:probe",  # measure the emulated links and gloo's algorithms
     "sim-collective-seconds": "sim.collective_model:seconds_alone",  # an op timed alone, by algorithm
+    "sim-collective-alone": "sim.collective_model:alone",  # ... with the algorithm it ran
+    "real-collective-table": "real.bench:collective_table",  # nccl-tests-style timings on real ranks
 }
 
 

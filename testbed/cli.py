@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     reg.set_defaults(func=_cmd_regress)
 
+    _add_collective(sub)
+
     net = sub.add_parser("net", help="the emulated cluster network (real.network = emulated; needs root)")
     net_sub = net.add_subparsers(dest="net_command", required=True)
     ls = net_sub.add_parser("list", help="emulated clusters on this machine, their owner and whether it lives")
@@ -97,6 +99,39 @@ def _parser() -> argparse.ArgumentParser:
                        "latencies and protocol overhead")
     probe.set_defaults(func=_cmd_net_probe)
     return p
+
+
+def _add_collective(sub) -> None:
+    """``testbed collective KIND``: an nccl-tests table of one collective (testbed.collective_cli)."""
+    p = sub.add_parser("collective", help="time one collective by size, simulated or on real ranks, as an "
+                       "nccl-tests table (size, time, algbw, busbw)",
+                       description="Time one collective by size and print it as nccl-tests does. Sizes are "
+                       "nccl-tests' (all_gather: the output buffer; reduce_scatter: the input; all_to_all: each "
+                       "rank's send buffer); busbw = algbw x 2(n-1)/n (all_reduce) or (n-1)/n.")
+    p.add_argument("kind", metavar="KIND", help="all_reduce, all_gather, reduce_scatter or all_to_all "
+                   "(or nccl-tests' allreduce, allgather, reducescatter, alltoall)")
+    p.add_argument("--sizes", default="1M:1G", help="BEGIN:END or one size; K, M, G are powers of 2 as in "
+                   "nccl-tests' -b and -e (default 1M:1G)")
+    p.add_argument("-f", "--factor", default="2", help="factor between sizes (nccl-tests' -f; default 2)")
+    p.add_argument("--gpus", required=True, help="GPUs (ranks) taking part")
+    p.add_argument("--nodes", default="1", help="nodes they are on; must divide --gpus (default 1)")
+    p.add_argument("--nodes-per-leaf", default=None, help="nodes under one leaf switch (default: all)")
+    p.add_argument("--profile", default=None, help="machine profile (default h200; real: the emulated cluster's, "
+                   "default emulated)")
+    p.add_argument("--backend", default="sim", help="sim (default) or real (ranks on this machine: gloo, or NCCL "
+                   "with a GPU per rank)")
+    p.add_argument("--fabric", default="loopback", help="real: loopback (default) or emulated (an emulated "
+                   "cluster of --gpus on --nodes; root)")
+    p.add_argument("--iters", default="20", help="real: timed calls per size (default 20, as nccl-tests' -n)")
+    p.add_argument("--warmup", default="5", help="real: warm-up calls per size (default 5, as nccl-tests' -w)")
+    p.add_argument("--json", action="store_true", help="print the table as one JSON object")
+    p.set_defaults(func=_cmd_collective)
+
+
+def _cmd_collective(args) -> int:
+    from testbed.collective_cli import run
+
+    return run(args)
 
 
 def _cmd_run(args) -> int:

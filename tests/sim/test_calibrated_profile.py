@@ -7,6 +7,8 @@ import pytest
 
 from real.calibrate import COMM_STAGES, fit_host_costs, fit_software_latency, stage_calls
 from sim.backend import ClusterSim, routing_source
+from sim.compute import contention_factor
+from sim.software_latency import SoftwareLatency, stage_host_seconds
 from testbed.profile import Measured, load_profile, profile_from_dict, save_profile
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
@@ -102,3 +104,79 @@ def test_host_costs_of_communication_stages_are_fixed_only():
     assert "dispatch" in COMM_STAGES and "experts" not in COMM_STAGES
     assert rows["dispatch"]["us_per_MB"] == 0 and rows["dispatch"]["us"] == pytest.approx(1500.0)
     assert rows["experts"]["us_per_MB"] == pytest.approx(1e-3 / 3e5 * 1e12)
+
+
+# ---- a measured table applies at the world it was measured at; elsewhere the model, fitted --
+def calibrated(**measured):
+    return replace(load_profile("local-cpu"), name="cal", measured=Measured(**measured))
+
+
+def cluster(nodes: int, microclusters: int = 1, profile="local-cpu") -> Scenario:
+    return Scenario.from_dict({
+        "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": nodes, "microclusters": microclusters,
+                    "profile": str(profile)}, "parallelism": {"ep_size": 2}})
+
+
+def test_library_latency_is_measured_only_at_its_world_and_a_fitted_line_elsewhere():
+    """Rows at worlds 2 and 4 (5 / 1 us and 700 / 300 us): world 4 takes its row; world 8
+    and world 3 the least-squares line through both (the nearest row would give 700 / 300
+    at 8 and 5 / 1 at 3). All of it counts as fitted."""
+    prof = calibrated(collective_latency=MEASURED.collective_latency)
+    at4 = SoftwareLatency(prof, 4)
+    assert (at4.call_s, at4.step_s, at4.fitted, at4.measured_here) == (pytest.approx(700e-6), pytest.approx(300e-6),
+                                                                       True, True)
+    at8 = SoftwareLatency(prof, 8)
+    assert at8.call_s == pytest.approx((5 + 695 / 2 * 6) * 1e-6) and at8.step_s == pytest.approx((1 + 299 / 2 * 6) * 1e-6)
+    assert at8.fitted and not at8.measured_here and "least-squares" in at8.source
+    at3 = SoftwareLatency(prof, 3)
+    assert at3.call_s == pytest.approx(352.5e-6) and at3.step_s == pytest.approx(150.5e-6)
+    # a fitted line never gives a negative cost
+    assert SoftwareLatency(prof, 1).call_s == 0.0
+
+
+def test_one_measured_world_extrapolates_as_its_constant_and_is_counted_as_fitted():
+    prof = calibrated(collective_latency=({"world": 8, "call_us": 2000.0, "step_us": 400.0},))
+    lat = SoftwareLatency(prof, 16)
+    assert (lat.call_s, lat.step_s) == (pytest.approx(2000e-6), pytest.approx(400e-6))
+    assert lat.fitted and not lat.measured_here and "constant of world 8" in lat.source
+    assert not SoftwareLatency(load_profile("local-cpu"), 16).fitted
+
+
+def test_compute_contention_is_measured_only_at_its_world():
+    """One row (world 4: 3x): ranks per core with the cores fitted to it (4 / 3 cores), so
+    6x at world 8 and 1.5x at world 2, never below 1; several rows: their least-squares line."""
+    one = calibrated(compute_scale=({"world": 4, "factor": 3.0},))
+    assert contention_factor(one, 4) == 3.0
+    assert contention_factor(one, 8) == pytest.approx(6.0) and contention_factor(one, 2) == pytest.approx(1.5)
+    assert contention_factor(one, 1) == 1.0
+    two = calibrated(compute_scale=({"world": 2, "factor": 1.2}, {"world": 4, "factor": 2.0}))
+    assert contention_factor(two, 2) == 1.2 and contention_factor(two, 8) == pytest.approx(3.6)
+    measured_below_one = calibrated(compute_scale=({"world": 2, "factor": 0.97},))
+    assert contention_factor(measured_below_one, 2) == 0.97  # a measurement stays a measurement
+
+
+def test_host_costs_are_measured_only_at_their_world():
+    """stage_us rows of route at worlds 2 and 4: world 8 gets their line, not world 4's row;
+    an entry measured at one world only keeps its constant."""
+    rows = MEASURED.stage_us + ({"world": 2, "stage": "route", "variant": "", "us": 500.0, "us_per_MB": 100.0},)
+    prof = calibrated(stage_us=rows)
+    at4 = stage_host_seconds(prof, cluster(2))
+    assert at4["route"] == (pytest.approx(1500e-6), pytest.approx(200e-12))
+    at8 = stage_host_seconds(prof, cluster(2, 2))
+    assert at8["route"] == (pytest.approx(3500e-6), pytest.approx(400e-12))
+    assert at8["dispatch"] == (pytest.approx(400e-6), 0.0)  # alltoall: the scenario's strategy, one world
+    allgather = stage_host_seconds(prof, cluster(2, 2).replace(comm={"token_strategy": "allgather"}))
+    assert allgather["dispatch"][0] == pytest.approx(9000e-6)
+
+
+def test_the_simulator_uses_the_fitted_model_away_from_the_measured_world(tmp_path):
+    """A profile measured at worlds 2 and 4, simulated at world 8: library latency, compute
+    contention and host costs all come from the fits, not from world 4's rows."""
+    rows = MEASURED.stage_us + ({"world": 2, "stage": "route", "variant": "", "us": 500.0, "us_per_MB": 100.0},)
+    path = save_profile(calibrated(collective_latency=MEASURED.collective_latency,
+                                   compute_scale=MEASURED.compute_scale, stage_us=rows), tmp_path / "cal.toml")
+    s = cluster(2, 2, path)
+    sim = ClusterSim(s, load_profile(path))
+    assert sim.collectives.software.call_s == pytest.approx(2090e-6)
+    assert sim.builder.compute.scale == pytest.approx(6.0)
+    assert sim.builder.host_s["route"][0] == pytest.approx(3500e-6)

@@ -61,3 +61,14 @@ def test_report_is_self_contained(tmp_path):
 def test_fields_lists_every_field(tmp_path):
     out = run_cli("fields", cwd=tmp_path)
     assert out.returncode == 0 and "router.capacity_factor" in out.stdout and "pager.page_size_bytes" in out.stdout
+
+
+def test_collective_prints_an_nccl_tests_table_and_one_line_errors(tmp_path):
+    out = run_cli("collective", "allreduce", "--gpus", "8", "--sizes", "1M:4M", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert len(rows) == 3 and "busbw" in out.stdout and out.stdout.splitlines()[-1].startswith("# Avg bus bandwidth")
+    bad = run_cli("collective", "all_reduce", "--gpus", "8", "--sizes", "1M:1X", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "testbed: error: --sizes = '1X': expected a positive size in bytes, e.g. 8, 64K, 1M, 1G (powers of 2, as "
+        "nccl-tests' -b and -e) or 16MiB"]
