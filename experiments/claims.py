@@ -407,8 +407,9 @@ def c5(ledger: Ledger) -> Claim:
     c.conditions = ("Only the hit-rate half is tested, over the measured steps (warm-up steps, whose compulsory "
                     f"misses fill the cache, are left out); smallest cache size reaching 99.2% - 0.5 pp: {smallest}. "
                     "Discovery is not modelled: the simulator charges nothing for it (the profiles' "
-                    "collectives.discovery_us is not used) and the real backend discovers groups from the routed "
-                    "counts every rank already all-gathers (the route stage), so the < 0.8 ms half is not tested."
+                    "collectives.discovery_us is not used); both backends discover active groups with one all-gather per step "
+                    "of every rank's kept-expert bit mask (in the expert_sync stage), not the seed's gossip on a "
+                    "miss, so the < 0.8 ms half is not tested."
                     + (f" Agrees on: {_names(ok)}." if verdict == CONDITIONAL else ""))
     rates = ", ".join(f"{k}: {100 * v['group_cache_hit_rate']:.1f}%" for k, v in c.numbers.items())
     c.why = f"Group-cache hit rate {rates} (claimed 99.2%)."

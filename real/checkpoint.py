@@ -11,7 +11,8 @@ kinds at their own intervals (``checkpoint.*_interval``, in completed steps):
   router parameters; plain SGD keeps no moments), the controller's whole state (page
   table, heat map, group cache, replica freshness; pickled) and, incrementally, the
   expert pages modified since the previous optimizer checkpoint p (their values at n).
-  Rank 0 adds the routing of steps p .. n-1 (the run folder's routing trace).
+  The rank adds its own routed counts of steps p .. n-1 (its rows of the run folder's
+  routing trace).
 - ``experts-n``: every expert page (a full snapshot).
 
 n = 0 is implicit: the seeded initial state. The state at n is *complete* when rng-n
@@ -146,13 +147,13 @@ class Checkpointer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.on_disk = CheckpointFiles(self.dir)
         self.prev = 0  # the last optimizer checkpoint (0: the initial state)
-        self.routing_since: list[np.ndarray] = []  # rank 0: routing of the steps since ``prev``
+        self.routing_since: list[np.ndarray] = []  # the rank's routing of the steps since ``prev``
         self.writer = AsyncWriter()
 
     # ---- writing ---------------------------------------------------------------------------------
     def after_step(self, done: int, state, routing: np.ndarray | None) -> list[str]:
         """Checkpoint what is due after ``done`` completed steps; returns the kinds written.
-        ``routing`` is this step's [L, W, E] routed counts (rank 0), else None."""
+        ``routing`` is this rank's routed counts of the step [L, E]."""
         if routing is not None:
             self.routing_since.append(routing)
         cfg = self.cfg
@@ -211,8 +212,8 @@ class Checkpointer:
 
     # ---- restoring -------------------------------------------------------------------------------
     def restore(self, n: int, state) -> list[np.ndarray]:
-        """Put ``state`` back to step ``n``; returns the routing of steps 0 .. n-1 (rank 0;
-        an empty list elsewhere). Files of later steps are deleted."""
+        """Put ``state`` back to step ``n``; returns the rank's routing of steps 0 .. n-1
+        ([L, E] each). Files of later steps are deleted."""
         files = self.on_disk.files()
         self._forget_after(n, files)
         self.prev, self.routing_since = n, []

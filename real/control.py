@@ -24,10 +24,12 @@ from testbed.results import StepRecord, frozen_fraction, sum_counts
 from testbed.stages import STAGES
 
 
-def lead_fields(routed: int, dropped: int, cache, states) -> dict:
-    """Step facts every rank knows alike (the shared controller decided them); rank 0 sends them."""
-    return {"routed": routed, "dropped": dropped, "cache_hits": cache.hits if cache else 0,
-            "cache_lookups": cache.lookups if cache else 0, "states": states}
+def lead_fields(cache, states) -> dict:
+    """Step facts every rank knows alike (the shared controller decided them from the
+    step's discovery and heat); rank 0 sends them. Routed and dropped slots are each
+    rank's own (``local``), summed by ``merge_step``."""
+    return {"cache_hits": cache.hits if cache else 0, "cache_lookups": cache.lookups if cache else 0,
+            "states": states}
 
 
 def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level: dict | None = None) -> StepRecord:
@@ -47,8 +49,8 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
         bytes_by_stage=by_stage,
         bytes_by_level=by_level,
         peak_memory_bytes=max(g["peak"] for g in gathered),
-        routed_slots=lead["routed"],
-        dropped_slots=lead["dropped"],
+        routed_slots=sum(g["routed"] for g in gathered),
+        dropped_slots=sum(g["dropped"] for g in gathered),
         page_moves=sum(g["page_moves"] for g in gathered),
         page_bytes=sum(g["page_bytes"] for g in gathered),
         page_stall_s=sum(g["stall_s"] for g in gathered) / n,

@@ -1,5 +1,13 @@
 """One rank's forward of one MoE layer: route -> (paging) -> dispatch -> experts -> combine.
 
+The route stage ends with the planner's ``route_ops``: the routed counts all-gathered
+within the rank's EP group, which is all the token exchange needs (split sizes) and all
+this rank's controller is told of the layer's routing (the rows of other groups stay
+zero). While a replica of the rank's shard is stale, the paging stage starts with the
+shard's refresh requests (``Controller.refresh_request_ops``, M9): an all-gather within
+the replica group of which EP groups use each of the shard's experts, so that the
+controller knows which refreshes this rank sends or receives.
+
 The token strategies differ only in how kept slots reach the experts and come back:
 ``alltoall`` and ``hierarchical`` move slot rows with one or two all-to-all stages
 (``exchange_plan``), ``allgather`` gathers every token of the EP group with its routing
@@ -19,6 +27,7 @@ from real.clock import mark
 from real.comm import AllGather, AllToAll, ReduceScatter
 from real.exchange_plan import flat_stages, hierarchical_stages, plan_exchange
 from real.experts import PagedExpertFFN, combine_slots, source_slots
+from testbed.capacity import kept_counts
 from testbed.router import route
 
 
@@ -54,12 +63,11 @@ class LayerRunner:
         routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
                         noise_generator(s.run.seed, step, layer, r.rank))
         probs_TK = mark(routing.probs_TK, clock, "route_backward")
-        # on the device: NCCL gathers device tensors only
-        counts = comm.all_gather(routing.routed_E.to(torch.int32), r.groups.world, r.groups.get(r.groups.world))
-        plan = r.controller.forward_layer(layer, counts.view(r.layout.world, -1).cpu().numpy())
+        routed = self._exchange_counts(layer, routing.routed_E)
+        clock.switch("paging")
+        plan = r.controller.forward_layer(layer, routed, self._refresh_requests(layer, routed))
         if not np.array_equal(plan.kept[r.rank], routing.kept_E.cpu().numpy()):
             raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
-        clock.switch("paging")
         r.refresh(plan.refresh_ops)
         r.execute_moves(plan.page_moves.get(r.rank), r.take_incoming(), forward=True)
         clock.switch("dispatch")
@@ -78,6 +86,41 @@ class LayerRunner:
         # the backward of this layer starts here: bring its experts' pages back first
         out_TH = mark(combine(y_RH), clock, "combine_backward", hook=lambda: r.backward_pages(layer))
         return x_TH + out_TH, routing.aux_loss, plan
+
+    # ---- what the controller is told -------------------------------------------------------------
+    def _exchange_counts(self, layer: int, routed_E: torch.Tensor) -> np.ndarray:
+        """The route all-gather within the EP group (``Planner.route_ops``): routed counts
+        [W, E] with the group's rows filled and the others zero."""
+        r = self.r
+        lay = r.layout
+        routed = np.zeros((lay.world, lay.num_experts), dtype=np.int64)
+        mine = routed_E.to(torch.int32)  # on the device: NCCL gathers device tensors only
+        op = own_op(r.planner.route_ops(layer), r.rank, mine)
+        if op is None:  # an EP group of one
+            routed[r.rank] = mine.cpu().numpy()
+            return routed
+        counts = r.comm.all_gather(mine, op.members, r.groups.get(op.members))
+        routed[list(op.members)] = counts.view(len(op.members), -1).cpu().numpy()
+        return routed
+
+    def _refresh_requests(self, layer: int, routed: np.ndarray) -> dict[int, np.ndarray] | None:
+        """The shard's refresh requests, when the controller plans them: every replica
+        tells the others whether its EP group kept tokens for each of the shard's experts
+        (packed bits); returns {shard: [R, E/P]} for ``Controller.forward_layer``."""
+        r = self.r
+        ops = [op for op in r.controller.refresh_request_ops(layer) if r.rank in op.members]
+        if not ops:
+            return None
+        lay = r.layout
+        experts = lay.local_experts(r.rank)
+        members = list(lay.ep_group(int(lay.group_of[r.rank])))
+        used = kept_counts(routed[members], r.controller.capacity)[:, experts.start:experts.stop].sum(axis=0) > 0
+        bits = torch.from_numpy(np.packbits(used)).to(r.device)
+        op = own_op(ops, r.rank, bits)
+        got = r.comm.all_gather(bits, op.members, r.groups.get(op.members)).view(len(op.members), -1).cpu().numpy()
+        told = np.zeros((lay.replicas, len(experts)), dtype=bool)
+        told[lay.group_of[list(op.members)]] = np.unpackbits(got, axis=1, count=len(experts)).astype(bool)
+        return {int(lay.index_of[r.rank]): told}
 
     # ---- token strategies ----------------------------------------------------------------------
     def _alltoall(self, layer, x_TH, plan, slot_idx, probs_TK, tokens):
@@ -137,3 +180,16 @@ class LayerRunner:
             return ReduceScatter.apply(partial, r.comm, members, pg, r.codec)
 
         return expert_in, counts_e, combine
+
+
+def own_op(ops, rank: int, payload: torch.Tensor):
+    """The op of ``ops`` that ``rank`` takes part in (None if none), checked to carry
+    ``payload`` as the planner costed it: both backends must move the same bytes."""
+    mine = [op for op in ops if rank in op.members]
+    if not mine:
+        return None
+    (op,) = mine
+    if op.size != payload.numel() * payload.element_size():
+        raise RuntimeError(f"{op.label}: the planner costs {op.size} bytes, the rank sends "
+                           f"{payload.numel() * payload.element_size()}")  # a testbed bug
+    return op

@@ -179,8 +179,9 @@ class RankState:
             self.execute_moves(plan.page_moves.get(self.rank), forward=True)
 
     def refresh(self, ops) -> None:
-        """Stale replicas needed now receive the weights from an up-to-date replica (M9)."""
-        mine = [op for op in ops if self.rank in op.members]
+        """Stale replicas needed now receive the weights from an up-to-date replica (M9):
+        the p2p ops of the layer's paging ops (its refresh requests ran before)."""
+        mine = [op for op in ops if op.kind == "p2p" and self.rank in op.members]
         if not mine:
             self._incoming = {}
             return

@@ -1,10 +1,13 @@
 """One rank of the real backend: builds its model and runs the training steps.
 
 Per step: every layer forward (``LayerRunner``), the loss (MSE to the task's targets
-plus the aux loss) and its backward, the expert-gradient sync the controller planned
-(all-reduce or two-stage with cached groups, M8-M10), the router-gradient all-reduce,
-plain SGD on router and experts (expert pages updated wherever they live), and the
-heat update with its page moves. Every step starts at the control plane's gate and
+plus the aux loss) and its backward, the active-group discovery (M10: an all-gather of
+every rank's bitmask of the experts it kept tokens for, all layers at once, which tells
+the controller what every EP group used), the expert-gradient sync the controller
+planned (all-reduce or two-stage with cached groups, M8-M10), the router-gradient
+all-reduces (one per DDP-style bucket, after the backward), plain SGD on router and
+experts (expert pages updated wherever they live), and the heat update with its page
+moves. Every step starts at the control plane's gate and
 ends by publishing the rank's metrics to it (``real.control``: the launcher, or rank 0
 under torchrun, merges them into a ``StepRecord`` that is streamed into the run folder).
 
@@ -13,8 +16,11 @@ starts from its step; after each step the due checkpoints are written (M23, in t
 background); with ``real.profile`` the steps after warm-up run under ``torch.profiler``
 and each rank writes ``torch_trace_rank<r>.json`` into the run folder. With
 ``heat.compute_source = "measured"`` compute heat is the expert kernel seconds of every
-replica, summed over ranks (an all-reduce in the ``heat`` stage) so that every rank's
-controller is told the same (M18).
+replica, else the kept slots of every rank; at each heat update those of the steps since
+the last one are summed over ranks (the planner's ``heat_ops``, one all-reduce in the
+``heat`` stage) so that every rank's controller is told the same (M18); with one replica
+and kept slots the route all-gather already told every rank. Each rank keeps its own routed counts; the run's routing trace is gathered
+from every rank when the run ends (the testbed's bookkeeping, not training traffic).
 
 The rank's state (weights, pager, groups, collectives) is a ``RankState``.
 """
@@ -31,11 +37,11 @@ import torch.distributed as dist
 
 from real.checkpoint import Checkpointer, checkpoint_dir
 from real.control import lead_fields
-from real.layer import LayerRunner
+from real.layer import LayerRunner, own_op
 from real.rank_state import ActivationMeter, RankState
 from real.task import SyntheticTask
 from testbed.errors import RunError, ScenarioError
-from testbed.planner import padded_elements
+from testbed.planner import Planner, padded_elements
 from testbed.scenario import Scenario
 
 
@@ -48,7 +54,7 @@ class RankRunner:
         self.layers = LayerRunner(self.st)
         self.task = SyntheticTask(scenario)
         self.world = scenario.world_size
-        self.routing: list[np.ndarray] = []  # rank 0: [L, W, E] per step
+        self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
         self.trace: list[dict] = []
 
     def run(self, control, debug: dict | None = None, run_dir: str | None = None, resume=None) -> dict:
@@ -75,7 +81,7 @@ class RankRunner:
             if ckpt is None:
                 raise ScenarioError("checkpoint.enabled", False, "resuming needs the run's checkpoints")
             first = ckpt.resume_point(None if resume is True else int(resume))
-            self.routing = ckpt.restore(first, st)  # rank 0: the routing of steps 0 .. first-1
+            self.routing = ckpt.restore(first, st)  # the rank's routing of steps 0 .. first-1
         self.first_step = first
         profiler = _Profiler(s, st, run_dir)
         for step in range(first, s.run.steps):
@@ -83,7 +89,7 @@ class RankRunner:
             with profiler.step(step):
                 self.step(step, control)
             if ckpt is not None:
-                ckpt.after_step(step + 1, st, self.routing[-1] if st.rank == 0 else None)
+                ckpt.after_step(step + 1, st, self.routing[-1])
             if fail_at and fail_at["rank"] == st.rank and step + 1 >= fail_at["after_steps"]:
                 os._exit(9)
         control.finish()
@@ -105,13 +111,14 @@ class RankRunner:
         # gradient, so the first layer's dispatch backward runs like every other's
         h = x_TH.to(st.dtype).requires_grad_()
         aux_total = torch.zeros((), device=st.device)
-        routed, dropped = [], 0
+        routed, kept = [], []  # this rank's counts per layer
         with ActivationMeter() as meter:
             for layer in range(s.model.num_layers):
                 h, aux, plan = self.layers.forward(layer, h, step)
                 aux_total = aux_total + aux
-                routed.append(plan.routed)
-                dropped += plan.dropped_slots
+                routed.append(plan.routed[st.rank])
+                kept.append(plan.kept[st.rank])
+        routed, kept = np.stack(routed), np.stack(kept)  # [L, E]
         if self.capture is not None and step == 0:
             self.capture["output"] = h.detach().clone()
         resident = st.store.device_bytes if st.store else sum(t.numel() * t.element_size() for t in st.unpaged.values())
@@ -119,7 +126,7 @@ class RankRunner:
         task_loss = torch.mean((h.float() - y_TH) ** 2)
         loss = task_loss + aux_total
         (loss / self.world).backward()
-        cache = self._sync()
+        cache = self._sync(kept)
         if self.capture is not None and step == 0:
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
                                             for i in st.controller.local_instances(st.rank)}
@@ -130,7 +137,7 @@ class RankRunner:
             self.capture["experts_after"] = {int(i): st.read_weights(int(i)) for i in st.controller.local_instances(st.rank)
                                              if st.controller.fresh[int(i), g]}
         st.clock.switch("heat")
-        end = st.controller.end_step(self._measured_heat() if st.timer is not None else None)
+        end = st.controller.end_step(self._local_heat(kept), self._sum_heat)
         st.clock.switch("paging")
         st.execute_moves(end.page_moves.get(st.rank))
         st.settle_pages()
@@ -149,27 +156,54 @@ class RankRunner:
             "local_experts": len(st.controller.local_instances(st.rank)),
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
+            "routed": int(routed.sum()), "dropped": int(routed.sum() - kept.sum()),
         }
         for name, t0, t1 in regions:
             self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
-        if st.rank == 0:
-            self.routing.append(np.stack(routed))
+        self.routing.append(routed)
         states = end.heat.state_counts() if end.heat is not None else None
-        control.publish(step, local, lead_fields(int(sum(r.sum() for r in routed)), dropped, cache, states))
+        control.publish(step, local, lead_fields(cache, states))
 
-    def _measured_heat(self) -> np.ndarray:
-        """Expert kernel seconds per instance [L*E], summed over every replica and rank
-        (M18 compute heat from measurement; every controller must be told the same)."""
+    def _local_heat(self, kept_LE: np.ndarray) -> np.ndarray | None:
+        """This rank's compute heat of the step per expert instance [L*E] (M18): its
+        measured expert kernel seconds, or its kept slots; None when the controller needs
+        neither (kept slots with one replica: it was told every rank's counts)."""
         st = self.st
-        if st.device.type == "cuda":
-            torch.cuda.synchronize(st.device)
-        seconds = np.zeros(self.s.model.num_layers * self.s.model.num_experts)
-        for inst, sec in st.timer.collect().items():
-            seconds[inst] += sec
-        buf = torch.from_numpy(seconds).to(st.device)
-        st.comm.all_reduce(buf, st.groups.world, st.groups.get(st.groups.world))
+        if st.timer is not None:
+            if st.device.type == "cuda":
+                torch.cuda.synchronize(st.device)
+            seconds = np.zeros(self.s.model.num_layers * self.s.model.num_experts)
+            for inst, sec in st.timer.collect().items():
+                seconds[inst] += sec
+            return seconds
+        return kept_LE.reshape(-1).astype(np.float64) if st.planner.heat_ops() else None
+
+    def _sum_heat(self, heat_SN: np.ndarray) -> np.ndarray:
+        """The planner's heat all-reduce at a heat update: the compute heat of the steps
+        since the last one [steps, L*E], summed over all ranks."""
+        st = self.st
+        buf = torch.from_numpy(np.ascontiguousarray(heat_SN, dtype=np.float64)).to(st.device)
+        op = own_op(st.planner.heat_ops(len(heat_SN)), st.rank, buf)
+        if op is None:  # one rank
+            return heat_SN
+        st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
         return buf.cpu().numpy()
+
+    def _discover(self, kept_LE: np.ndarray) -> np.ndarray | None:
+        """The step's active-group discovery (M10, ``Planner.discovery_ops``): every rank's
+        bitmask of the experts it kept tokens for, all layers, gathered over all ranks;
+        returns which EP groups used each expert [L, R, E] (None with one replica: the
+        route all-gather told every rank)."""
+        st = self.st
+        bits = torch.from_numpy(np.packbits(kept_LE.reshape(-1) > 0)).to(st.device)
+        op = own_op(st.planner.discovery_ops(), st.rank, bits)
+        if op is None:
+            return None
+        lay = st.layout
+        got = st.comm.all_gather(bits, op.members, st.groups.get(op.members)).view(len(op.members), -1).cpu().numpy()
+        used = np.unpackbits(got, axis=1, count=kept_LE.size).astype(bool).reshape((lay.world,) + kept_LE.shape)
+        return used[lay.rank_of].any(axis=1).transpose(1, 0, 2)  # [R, P, L, E] -> [L, R, E]
 
     # ---- after the backward ----------------------------------------------------------------------
     def _grad(self, instance: int) -> torch.Tensor:
@@ -177,16 +211,16 @@ class RankRunner:
             return self.st.grads[instance]
         return torch.zeros(self.s.model.expert_params, dtype=self.st.dtype, device=self.st.device)
 
-    def _sync(self):
+    def _sync(self, kept_LE: np.ndarray):
         s, st = self.s, self.st
         st.clock.switch("expert_sync")
-        plan = st.controller.sync()
+        plan = st.controller.sync(self._discover(kept_LE))
         if plan.cache is not None:
             st.groups.apply(plan.cache)
         E = s.model.num_experts
         local = list(st.layout.local_experts(st.rank))
         self.synced: dict[int, torch.Tensor] = {}
-        mine = [op for op in plan.expert_sync_ops if st.rank in op.members]
+        mine = [op for op in plan.expert_sync_ops if st.rank in op.members and op.layer >= 0]  # discovery ran
         for op in mine:
             if op.kind == "all_reduce":  # the shard's experts of one layer, one buffer
                 insts = [op.layer * E + e for e in local]
@@ -196,8 +230,8 @@ class RankRunner:
                     self.synced[i] = part
         self._two_stage([op for op in mine if op.kind != "all_reduce"])
         st.clock.switch("dense_sync")
-        for op in plan.dense_sync_ops:  # one layer's router, or every layer's in one bucket (layer -1)
-            params = [p for layer in (range(len(st.router)) if op.layer < 0 else [op.layer]) for p in st.router[layer]]
+        for op in plan.dense_sync_ops:  # one all-reduce per bucket of router gradients, in backward order
+            params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.router[layer]]
             buf = torch.cat([p.grad.reshape(-1) for p in params])
             st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
             for p, part in zip(params, buf.split([p.numel() for p in params])):
@@ -279,13 +313,16 @@ class RankRunner:
             self.capture["heat_states"] = st.controller.heat.states
         events = [None] * self.world if self.st.rank == 0 else None
         dist.gather_object(self.trace, events, dst=0)
+        routing = [None] * self.world if self.st.rank == 0 else None
+        dist.gather_object(self.routing, routing, dst=0)
         captured = [None] * self.world if self.st.rank == 0 else None
         if self.capture is not None:
             dist.gather_object(self.capture, captured, dst=0)
         if self.st.rank != 0:
             return {}
         trace = [e for per_rank in events for e in per_rank]
-        return {"trace": trace, "routing": np.stack(self.routing) if self.routing else None,
+        steps = len(self.routing)  # [S, L, W, E] from every rank's [L, E] per step
+        return {"trace": trace, "routing": np.stack([np.stack(r) for r in routing], axis=2) if steps else None,
                 "group_create_s": self.st.groups.created_s, "first_step": self.first_step,
                 "captured": captured if self.capture is not None else None}
 

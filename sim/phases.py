@@ -9,20 +9,23 @@ it depends on (``deps``, indices of earlier phases, per rank) and after the prev
 phase of its stream. Without overlap every phase depends on the one before it, so a
 rank works in the order the real backend does:
 
-forward, per layer:  route, counts all-gather, replica refreshes, page loads, dispatch,
-                     experts, combine
+forward, per layer:  route, the EP group's counts all-gather, refresh requests and
+                     replica refreshes, page loads, dispatch, experts, combine
 backward, per layer: combine_backward, page reloads, experts_backward,
                      dispatch_backward, route_backward
-then:                communicator creation, expert_sync, dense_sync, optimizer, heat, paging
+then:                active-group discovery (M10), communicator creation, expert_sync,
+                     dense_sync (one all-reduce per gradient bucket), optimizer, heat,
+                     paging
 
 Overlap (M22): with ``overlap.micro_batches = n > 1`` the token exchange and the experts
 of a layer (forward and backward) run as n micro-batches, the collectives on the comm
 stream and the experts on the compute stream, so one micro-batch's all-to-all overlaps
-another's experts; ``overlap.sync_with_backward`` puts a layer's gradient sync on the
-sync stream as soon as its backward is done; page loads go on the copy stream,
-overlapping the dispatch, when the profile says copies overlap compute
-(``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``) are already in the ops'
-bytes.
+another's experts; ``overlap.sync_with_backward`` puts a layer's gradient sync (and
+each router-gradient bucket its layer completes) on the sync stream as soon as its
+backward is done, after the step's discovery, which runs there once the forward is
+done; page loads go on the copy stream, overlapping the dispatch, when the profile says
+copies overlap compute (``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``)
+are already in the ops' bytes.
 """
 
 from __future__ import annotations
@@ -180,7 +183,8 @@ class PhaseBuilder:
             self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
             moved = page_copy(f.page_moves, w)
             self.host("paging", f.layer, moved[0] + moved[1] + buffer_bytes(f.refresh_ops, w))
-            self.chain("paging", f.layer, "ops", "comm", ops=f.refresh_ops)
+            for batch in batches(f.refresh_ops):  # the requests, then the copies they ask for
+                self.chain("paging", f.layer, "ops", "comm", ops=batch)
             copy = self.copy_phase(f.layer, moved)
             self.exchange(f.layer, ("dispatch", f.dispatch_ops),
                           ("experts", self.expert_seconds(rows[f.layer], False), act[f.layer]),
@@ -188,8 +192,13 @@ class PhaseBuilder:
         sync_phases: list[int] = []
         overlap_sync = s.overlap.sync_with_backward
         creating = self.creation_seconds(d.sync)
-        if overlap_sync and creating.any():  # communicators can be made once the forward knows A_e
-            sync_phases.append(self.add("expert_sync", -1, "wait", "sync", (self.main,), seconds=creating))
+        discovery = [op for op in d.sync.expert_sync_ops if op.layer < 0]  # M10, once the forward is done
+        expert_ops = [op for op in d.sync.expert_sync_ops if op.layer >= 0]
+        if overlap_sync and discovery:
+            sync_phases.append(self.add("expert_sync", -1, "ops", "sync", (self.main,), ops=discovery))
+        if overlap_sync and creating.any():  # communicators can be made once discovery knows A_e
+            deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
+            sync_phases.append(self.add("expert_sync", -1, "wait", "sync", deps, seconds=creating))
         for layer in reversed(range(m.num_layers)):
             b = d.backward[layer]
             moved = page_copy(b.page_moves, w)
@@ -202,16 +211,17 @@ class PhaseBuilder:
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
                        mem_delta=self.router_grad_bytes - act[layer])
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
-                for stage, ops in (("expert_sync", d.sync.expert_sync_ops), ("dense_sync", d.sync.dense_sync_ops)):
+                for stage, ops in (("expert_sync", expert_ops), ("dense_sync", d.sync.dense_sync_ops)):
                     for batch in batches([op for op in ops if op.layer == layer]):
                         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
                         sync_phases.append(self.add(stage, layer, "ops", "sync", deps, ops=batch,
                                                     mem_transient=buffer_bytes(batch, w)))
         self.host("expert_sync", -1, buffer_bytes(d.sync.expert_sync_ops, w))
         if not overlap_sync:
+            self.chain("expert_sync", -1, "ops", "comm", ops=discovery)
             if creating.any():
                 self.chain("expert_sync", -1, "wait", "comm", seconds=creating)
-            for batch in batches(d.sync.expert_sync_ops):
+            for batch in batches(expert_ops):
                 self.chain("expert_sync", batch[0].layer, "ops", "comm", ops=batch)
             self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
             for batch in batches(d.sync.dense_sync_ops):

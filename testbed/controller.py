@@ -1,7 +1,8 @@
 """The controller: every policy decision of a step, in the order a step makes them.
 
 Both backends drive the same controller: for each MoE layer, forward, it is given the
-routed counts of every rank (``forward_layer``) and answers with the kept counts (M2),
+routed counts it knows (``forward_layer``: every rank's on the simulator, the EP
+group's on a real rank, see below) and answers with the kept counts (M2),
 the collective ops of the route / replica-refresh / dispatch / combine stages (M5, M7,
 M9), and the page moves of the ranks it pages (M12-M16); for each layer, backward, the
 mirrored ops; after the backward, the expert-sync and dense-sync ops with the group-cache
@@ -11,6 +12,27 @@ heat map update (M18-M20) and the cold / wake / hot page moves it triggers.
 It is deterministic given the scenario and the routed counts, so the simulator keeps
 one for the whole cluster and every real rank keeps one of its own (paging only its own
 GPU): they all take the same decisions.
+
+A real rank's controller is told only what the planner's ops bring that rank (the
+simulator's is told everything and plans, and costs, the same ops):
+
+- per layer, forward: the routed counts of its own EP group (the route all_gather; the
+  rows of other groups are zero), and, while a replica of its shard's experts is stale,
+  which EP groups use each of those experts (``refresh_request_ops``, passed as
+  ``shard_active``). That is all the decisions that involve the rank need: its kept
+  counts and its group's token exchange, its pages, and the refreshes it sends or
+  receives. Refreshes between other ranks it does not see; they only set replica
+  freshness, which the sync sets again for every expert used this step;
+- once per step, after the forward: which EP groups used every expert of every layer
+  (the M10 discovery all_gather, passed to ``sync`` as ``active``): the group cache, the
+  replicas that go stale and the weight updates are decided from it on every rank alike;
+- at each heat update (every ``heat.update_interval`` steps): the compute heat of every
+  expert instance in the steps since the last one, summed over all ranks (the heat
+  all_reduce, run by the backend's ``sum_over_ranks`` in ``end_step``), so that every
+  heat map agrees.
+
+With one replica the EP group is the world and the route all_gather tells every rank
+everything.
 
 Expert *instances* are (layer, expert) pairs numbered ``layer * E + expert``. Replica
 ``g`` of an instance is the copy in EP group ``g``. Under two-stage sync (M9) only the
@@ -46,7 +68,7 @@ class LayerForward:
     kept: np.ndarray  # [W, E] slots kept under capacity
     active: np.ndarray  # [R, E] EP group g kept at least one slot for expert e
     route_ops: list[CollectiveOp]
-    refresh_ops: list[CollectiveOp]
+    refresh_ops: list[CollectiveOp]  # batch 0: refresh requests (all_gather), batch 1: the p2p copies
     dispatch_ops: list[CollectiveOp]
     combine_ops: list[CollectiveOp]
     page_moves: MovesByRank  # per paged rank: refresh rows then access rows
@@ -68,8 +90,8 @@ class LayerBackward:
 class SyncPlan:
     """Gradient sync and weight update after the backward pass."""
 
-    expert_sync_ops: list[CollectiveOp]
-    dense_sync_ops: list[CollectiveOp]
+    expert_sync_ops: list[CollectiveOp]  # the step's discovery (layer -1) first, then per layer
+    dense_sync_ops: list[CollectiveOp]  # router-gradient buckets, in backward order
     cache: CacheEvents | None  # None under allreduce sync (no cached groups)
     updated: dict[int, np.ndarray]  # per rank of paged_ranks: local instances whose weights change
     page_moves: MovesByRank  # per paged rank: update rows then stale rows
@@ -79,7 +101,7 @@ class SyncPlan:
 class StepEnd:
     heat: HeatUpdate | None  # None when no heat update was due
     page_moves: MovesByRank = field(default_factory=MovesByRank)
-    heat_ops: list[CollectiveOp] = field(default_factory=list)  # measured heat: its all-reduce
+    heat_ops: list[CollectiveOp] = field(default_factory=list)  # at a heat update: the compute heat all-reduce
     # after a heat update: per paged rank, its local expert instances cold-migrated (M13)
     # and not brought back since (frozen: pages off the GPU, still routable, M19)
     frozen: dict[int, int] | None = None
@@ -101,6 +123,7 @@ class Controller:
         # [W, L * E/P]: the rank's EP index j holds experts j*E/P.. of every layer
         local = lay.index_of[:, None] * lay.experts_per_rank + np.arange(lay.experts_per_rank)
         self._local = (np.arange(self.L)[None, :, None] * self.E + local[:, None, :]).reshape(lay.world, -1)
+        self._local_experts = local  # [W, E/P] expert ids of each rank's replicas
         self.pool: PagerPool | None = None
         if scenario.pager.enabled:
             local = np.stack([self.local_instances(r) for r in self.paged_ranks])
@@ -113,6 +136,8 @@ class Controller:
         self.step = -1
         self._kept: dict[int, np.ndarray] = {}
         self._active: dict[int, np.ndarray] = {}
+        #: (compute, memory, comm) heat of each step since the last heat update (M18)
+        self._heat_pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     # ---- placement helpers ----------------------------------------------------------------
     def local_instances(self, rank: int) -> np.ndarray:
@@ -132,37 +157,57 @@ class Controller:
         self._kept.clear()
         self._active.clear()
 
-    def forward_layer(self, layer: int, routed: np.ndarray) -> LayerForward:
-        """Decide everything of one layer's forward from ``routed`` [W, E] slot counts."""
+    def forward_layer(self, layer: int, routed: np.ndarray,
+                      shard_active: dict[int, np.ndarray] | None = None) -> LayerForward:
+        """Decide everything of one layer's forward from ``routed`` [W, E] slot counts.
+
+        A real rank passes its EP group's rows (the others zero) and what its refresh
+        requests (``refresh_request_ops``) told it: ``shard_active`` = {EP index j:
+        [R, E/P] whether each EP group kept tokens for shard j's experts} (module doc)."""
         routed = np.asarray(routed)
         kept = kept_counts(routed, self.capacity)
         lay = self.layout
         active = kept[lay.rank_of].sum(axis=1) > 0  # [R, P, E] -> [R, E]
+        n = lay.experts_per_rank
+        for j, told in (shard_active or {}).items():
+            active[:, j * n:(j + 1) * n] = told
         self._kept[layer], self._active[layer] = kept, active
+        requests = self.refresh_request_ops(layer)
         refresh_ops, refreshed = self._refresh_stale(layer, active)
         p = self.planner
         return LayerForward(
             layer, routed, kept, active,
             route_ops=p.route_ops(layer),
-            refresh_ops=refresh_ops,
+            refresh_ops=requests + refresh_ops,
             dispatch_ops=p.token_ops("dispatch", layer, kept),
             combine_ops=p.token_ops("combine", layer, kept),
             page_moves=MovesByRank.concat([refreshed, self._access(layer)]),
         )
 
-    def local_instances_needed(self, rank: int, layer: int) -> np.ndarray:
-        """Instances of ``layer`` on ``rank`` that its EP group routed tokens to."""
-        experts = np.array(self.layout.local_experts(rank))
-        used = self._active[layer][self.layout.group_of[rank], experts]
-        return layer * self.E + experts[used]
+    def stale_shards(self, layer: int) -> list[int]:
+        """EP indices j whose experts of ``layer`` have a stale replica (M9), the same on
+        every rank (freshness changes only from what every rank is told)."""
+        lay = self.layout
+        base = layer * self.E
+        stale = ~self.fresh[base:base + self.E].all(axis=1)  # [E]
+        return np.flatnonzero(stale.reshape(lay.ep_size, lay.experts_per_rank).any(axis=1)).tolist()
+
+    def refresh_request_ops(self, layer: int) -> list[CollectiveOp]:
+        """The all_gathers that tell each replica of a shard with stale replicas which EP
+        groups need the shard's experts of ``layer`` now (before ``forward_layer``)."""
+        shards = self.stale_shards(layer)
+        return self.planner.refresh_request_ops(layer, shards) if shards else []
 
     def _access(self, layer: int) -> MovesByRank:
         """Pages of the layer's needed experts onto each GPU, pinned only while the layer
         computes: the next layer may evict them (and the backward loads them again)."""
         if self.pool is None:
             return MovesByRank()
-        moves = self.pool.call("access", {r: (self.local_instances_needed(r, layer),) for r in self.paged_ranks},
-                               self.step)
+        ranks = np.asarray(self.paged_ranks)
+        experts = self._local_experts[ranks]  # [n, E/P]
+        used = self._active[layer][self.layout.group_of[ranks][:, None], experts]
+        inst = layer * self.E + experts
+        moves = self.pool.call("access", {int(r): (inst[i][used[i]],) for i, r in enumerate(ranks)}, self.step)
         self.pool.call_all("end_step")  # unpin
         return moves
 
@@ -172,16 +217,17 @@ class Controller:
         arriving: dict[int, list[int]] = {}
         lay = self.layout
         base = layer * self.E
-        need = active & ~self.fresh[base:base + self.E].T  # [R, E]
+        fresh_before = self.fresh[base:base + self.E].copy()  # a replica refreshed now cannot send yet
+        need = active & ~fresh_before.T  # [R, E]
         for g, e in zip(*np.nonzero(need)):
             i = base + e
-            sources = np.flatnonzero(self.fresh[i])
+            sources = np.flatnonzero(fresh_before[e])
             src_ranks = lay.rank_of[sources, lay.shard_of_expert(e)]
             dst = self._replica_rank(g, e)
             # nearest up-to-date replica: lowest link level, then lowest rank
             src = int(src_ranks[np.lexsort((src_ranks, lay.level_matrix[src_ranks, dst]))[0]])
             ops.append(CollectiveOp("p2p", (src, dst), "paging", layer, size=self.s.model.expert_bytes,
-                                    label=f"refresh expert {e}"))
+                                    batch=1, label=f"refresh expert {e}"))
             self.fresh[i, g] = True
             arriving.setdefault(dst, []).append(i)
         if self.pool is None:
@@ -199,15 +245,22 @@ class Controller:
 
     def active_groups(self, layer: int) -> list[tuple[int, ...]]:
         """A_e for every expert of ``layer``: sorted ranks of replicas that hold a gradient."""
+        lay = self.layout
+        ranks = lay.rank_of[:, np.arange(self.E) // lay.experts_per_rank]  # [R, E]: the replica of e in group g
         active = self._active[layer]
-        return [tuple(sorted(self._replica_rank(g, e) for g in np.flatnonzero(active[:, e])))
-                for e in range(self.E)]
+        return [tuple(sorted(ranks[active[:, e], e].tolist())) for e in range(self.E)]
 
-    def sync(self) -> SyncPlan:
-        """Expert and dense gradient sync after the backward, and the weight update."""
+    def sync(self, active: np.ndarray | None = None) -> SyncPlan:
+        """Expert and dense gradient sync after the backward, and the weight update.
+
+        ``active`` [L, R, E]: which EP groups kept tokens for each expert (a real rank
+        passes what the discovery all_gather told it; None = what the forward was told,
+        the whole cluster on the simulator)."""
+        if active is not None:
+            for layer in range(self.L):
+                self._active[layer] = np.asarray(active[layer], dtype=bool)
         two_stage = self.s.comm.expert_sync == "two_stage"
-        expert_ops: list[CollectiveOp] = []
-        dense_ops: list[CollectiveOp] = []
+        expert_ops: list[CollectiveOp] = self.planner.discovery_ops()
         cache = CacheEvents() if two_stage and self.layout.replicas > 1 else None
         comm_heat = np.zeros(self.L * self.E)
         fresh_before = self.fresh.copy()
@@ -215,15 +268,13 @@ class Controller:
             groups = self.active_groups(layer)
             ops = self.planner.expert_sync_ops(layer, groups)
             expert_ops += ops
-            if self.s.overlap.sync_with_backward:  # each layer's as soon as its backward is done
-                dense_ops += self.planner.dense_sync_ops(layer)
             if cache is not None:
                 self.cache.lookup([op.members for op in ops if op.kind == "reduce_scatter"], cache)
             self._comm_heat(layer, groups, ops, comm_heat)
             if two_stage:
                 self._mark_stale(layer, groups)
-        if not self.s.overlap.sync_with_backward:
-            dense_ops = self.planner.dense_sync_bucket()
+        # buckets in backward order; with overlap.sync_with_backward each runs once its layer's backward is done
+        dense_ops = self.planner.dense_sync_ops()
         self._comm_heat_step = comm_heat
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
         any_tokens = active.any(axis=1).reshape(-1)  # [L*E]: the summed gradient is non-zero
@@ -262,11 +313,19 @@ class Controller:
                 j = int(op.label.split()[-1])
                 out[base + j * per_rank: base + (j + 1) * per_rank] += op.wire_bytes / per_rank
 
-    def end_step(self, compute_heat: np.ndarray | None = None) -> StepEnd:
-        """Record the step's heat (M18) and, when due, update it and move pages (M13, M19, M20).
+    def end_step(self, compute_heat: np.ndarray | None = None, sum_over_ranks=None) -> StepEnd:
+        """Note the step's heat (M18) and, when due, record it, update the heat map and
+        move pages (M13, M19, M20).
 
-        ``compute_heat`` [L*E] overrides the token-count compute heat (heat.compute_source
-        = measured: the backend passes its measured expert seconds).
+        The heat map is read only at its updates, so the steps since the last update are
+        kept aside and recorded when one is due; the compute heat of those steps is then
+        summed over all ranks in one all-reduce (``heat_ops``). ``compute_heat`` [L*E]:
+        what this controller's ranks contributed this step, measured expert seconds
+        (heat.compute_source = measured) or kept slots (a real rank, told only its group's
+        counts, passes its own); None = the kept slots the forward was told (the whole
+        cluster on the simulator, or every rank with one replica). ``sum_over_ranks``:
+        the backend's heat all-reduce, [steps, L*E] -> the same summed over all ranks
+        (None: what was passed is already the total).
         """
         kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
@@ -274,10 +333,16 @@ class Controller:
         # every page of an expert is read in the forward and again in the backward
         memory = (2 * active.sum(axis=1) * self.pages_per_expert).reshape(-1).astype(np.float64)
         compute = tokens if compute_heat is None else np.asarray(compute_heat, dtype=np.float64)
-        self.heat.record(compute, memory, self._comm_heat_step)
-        heat_ops = self.planner.heat_ops()
+        self._heat_pending.append((compute, memory, self._comm_heat_step))
         if not self.heat.is_due(self.step):
-            return StepEnd(None, heat_ops=heat_ops)
+            return StepEnd(None)
+        pending, self._heat_pending = self._heat_pending, []
+        computes = np.stack([c for c, _, _ in pending])  # [steps, L*E]
+        if sum_over_ranks is not None:
+            computes = sum_over_ranks(computes)
+        for c, (_, mem, comm) in zip(computes, pending):
+            self.heat.record(c, mem, comm)
+        heat_ops = self.planner.heat_ops(len(pending))
         update = self.heat.update(self.step)
         level = np.percentile(update.scores, self.s.pager.cold_percentile)
         below_cold = below(update.scores, level)

@@ -22,6 +22,38 @@ Expert sync (M8-M9) of replicated experts, per layer:
   least one token for e) of two or more ranks, reduce_scatter then all_gather within
   A_e; experts are taken ``sync_batch_experts`` at a time on concurrent streams.
 
+Small ops, where the policies need them (the rest of a step's traffic is tokens and
+expert gradients):
+
+- ``route`` (per layer, cannot wait for later layers: their routing needs this layer's
+  output): an all_gather of every member's routed counts (E int32) *within each EP
+  group*, the split sizes of the group's token exchange (and its members' capacity
+  decisions, M2; paging needs only the group's own experts).
+- ``paging``, refresh requests (per layer, only while a replica of the shard's experts
+  is stale, M9): an all_gather within a replica group of each replica's "my EP group
+  uses this expert" bits for the shard's experts of the layer, so that the up-to-date
+  replica that must send knows who needs it; it precedes the refresh p2p ops (batch 1).
+- ``expert_sync``, discovery (once per step, every layer batched, M10): an all_gather
+  over all ranks of each rank's bitmask of the experts it kept tokens for, L x E bits,
+  after the forward. Every rank needs the world view here: the group cache's lookups
+  and the communicators it creates must be the same on every rank (``new_group`` is
+  called in the same order everywhere), the weight update decides which replicas change
+  and which go stale, and memory heat counts the groups that used each expert.
+- ``heat`` (once per heat update, every ``heat.update_interval`` steps, M18): an
+  all_reduce of the compute heat per expert instance of the steps since the last update
+  (steps x L x E float64: kept slots, or measured kernel seconds), because the heat
+  map's percentiles, and the pager's cold / hot decisions that follow from them, are
+  over every instance and must agree on every rank; the map is read only at updates.
+- ``dense_sync``: the router's gradients (replicated on every rank) all-reduced over
+  all ranks in DDP-style buckets of at most ``comm.grad_bucket_bytes``, filled in
+  backward order (last layer first); a bucket's all-reduce belongs to the layer whose
+  gradient completes it, so with ``overlap.sync_with_backward`` it runs as soon as that
+  layer's backward is done, else all run after the backward.
+
+When the EP group is the world (one replica) the route all_gather already gives every
+rank the world's counts, and discovery, refresh requests and (for kept-slot heat) the
+heat all_reduce are not needed.
+
 Ops with a single member move nothing and are left out.
 """
 
@@ -34,6 +66,7 @@ from testbed.scenario import Scenario
 from testbed.topology import Layout
 
 COUNT_BYTES = 4  # routed counts travel as int32
+HEAT_BYTES = 8  # compute heat per expert instance travels as float64
 ROUTER_PARAM_BYTES = 4  # the router (weight H x E and bias E) is kept in fp32
 INDEX_BYTES = 4  # allgather: each slot's expert index travels as int32
 PROB_BYTES = 4  # ... and its probability as fp32
@@ -55,14 +88,38 @@ class Planner:
         self.grids = ([self.layout.node_grid(g) for g in range(self.layout.replicas)]
                       if self.strategy == "hierarchical" else None)
 
-    # ---- route --------------------------------------------------------------------------
+    # ---- route ----------------------------------------------------------------------------
     def route_ops(self, layer: int) -> list[CollectiveOp]:
-        """Every rank shares its routed counts (E x int32); the same exchange is the
-        discovery of active groups (M10) and gives dispatch split sizes and heat."""
-        if len(self.world) < 2:
+        """Each EP group's members share their routed counts (E x int32): the split sizes
+        of the group's token exchange (see the module doc)."""
+        lay = self.layout
+        if lay.ep_size < 2:
             return []
-        return [CollectiveOp("all_gather", self.world, "route", layer,
-                             size=self.s.model.num_experts * COUNT_BYTES, label="routed counts")]
+        size = self.s.model.num_experts * COUNT_BYTES
+        return [CollectiveOp("all_gather", tuple(sorted(lay.ep_group(g))), "route", layer, size=size,
+                             label="routed counts") for g in range(lay.replicas)]
+
+    def refresh_request_ops(self, layer: int, shards) -> list[CollectiveOp]:
+        """For each shard (EP index) in ``shards``, an all_gather within its replica group
+        of every replica's bits "my EP group kept tokens for this expert" for the shard's
+        experts of ``layer`` (M9: a stale replica that is needed now is sent by an
+        up-to-date one, which must know). Batch 0 of the layer's ``paging`` ops."""
+        lay = self.layout
+        if lay.replicas < 2:
+            return []
+        size = packed_bytes(lay.experts_per_rank)
+        return [CollectiveOp("all_gather", tuple(sorted(lay.replica_group(j))), "paging", layer, size=size,
+                             label=f"refresh requests, shard {j}") for j in shards]
+
+    def discovery_ops(self) -> list[CollectiveOp]:
+        """Once per step: every rank's bitmask of the experts it kept tokens for, in every
+        layer (L x E bits), gathered over all ranks (M10; why the world: module doc).
+        Layer -1, stage ``expert_sync``; not needed with one replica."""
+        if self.layout.replicas < 2:
+            return []
+        m = self.s.model
+        return [CollectiveOp("all_gather", self.world, "expert_sync", -1, size=packed_bytes(m.num_layers * m.num_experts),
+                             label="active experts, all layers (M10 discovery)")]
 
     # ---- token exchange ---------------------------------------------------------------------
     def dispatch_matrix(self, kept: np.ndarray, group: int) -> np.ndarray:
@@ -73,24 +130,37 @@ class Planner:
         p = lay.ep_size
         return per_expert.reshape(p, p, lay.experts_per_rank).sum(-1).astype(np.int64) * self.token_bytes
 
+    def dispatch_matrices(self, kept: np.ndarray) -> np.ndarray:
+        """``dispatch_matrix`` of every EP group at once: [R, P, P]."""
+        lay = self.layout
+        p = lay.ep_size
+        per_expert = kept[lay.rank_of]  # R x P x E
+        return per_expert.reshape(lay.replicas, p, p, lay.experts_per_rank).sum(-1).astype(np.int64) * self.token_bytes
+
     def token_ops(self, stage: str, layer: int, kept: np.ndarray) -> list[CollectiveOp]:
         """Ops of one token stage (dispatch, combine or their backward) for all groups."""
         ops: list[CollectiveOp] = []
-        if self.layout.ep_size < 2:
+        lay = self.layout
+        if lay.ep_size < 2:
             return ops
-        for g in range(self.layout.replicas):
-            members = self.layout.ep_group(g)
-            if self.strategy == "allgather":
-                ops += self._allgather_ops(stage, layer, tuple(sorted(members)))
-                continue
-            d = self.dispatch_matrix(kept, g)
-            if self.strategy == "alltoall":
-                mat = d if stage in ("dispatch", "combine_backward") else d.T
+        if self.strategy == "allgather":
+            for g in range(lay.replicas):
+                ops += self._allgather_ops(stage, layer, tuple(sorted(lay.ep_group(g))))
+            return ops
+        ds = self.dispatch_matrices(kept)
+        if self.strategy == "alltoall":
+            forward = stage in ("dispatch", "combine_backward")
+            for g in range(lay.replicas):
+                members = lay.rank_of[g]
                 order = np.argsort(members)  # ops list members by ascending rank
-                ops.append(CollectiveOp("all_to_all_v", tuple(int(members[i]) for i in order), stage, layer,
-                                        matrix=mat[np.ix_(order, order)], label="tokens"))
-            else:
-                ops += self._hierarchical_ops(stage, layer, g, d)
+                mat = ds[g] if forward else ds[g].T
+                if (order != np.arange(len(order))).any():
+                    mat = mat[np.ix_(order, order)]
+                ops.append(CollectiveOp("all_to_all_v", tuple(members[order].tolist()), stage, layer,
+                                        matrix=mat, label="tokens"))
+            return ops
+        for g in range(lay.replicas):
+            ops += self._hierarchical_ops(stage, layer, g, ds[g])
         return ops
 
     def _allgather_ops(self, stage, layer, members):
@@ -137,33 +207,55 @@ class Planner:
         return intra + inter if forward else inter + intra
 
     # ---- gradient sync ------------------------------------------------------------------------
-    def dense_sync_ops(self, layer: int) -> list[CollectiveOp]:
-        """All-reduce of the router's gradient (H x E weight + E bias, fp32) over all ranks.
+    @property
+    def router_grad_bytes(self) -> int:
+        """One layer's router gradient: H x E weight + E bias, fp32."""
+        m = self.s.model
+        return (m.hidden_size * m.num_experts + m.num_experts) * ROUTER_PARAM_BYTES
+
+    def grad_buckets(self) -> list[list[int]]:
+        """Layers of each router-gradient bucket, in the order their gradients are ready
+        (last layer first), as torch DDP fills its buckets: a bucket takes layers until
+        the next would take it over ``comm.grad_bucket_bytes`` (a layer larger than that
+        gets a bucket of its own; 0 = one bucket). (DDP's smaller first bucket is not
+        modelled.)"""
+        cap = self.s.comm.grad_bucket_bytes
+        buckets: list[list[int]] = []
+        for layer in reversed(range(self.s.model.num_layers)):
+            if buckets and (cap == 0 or (len(buckets[-1]) + 1) * self.router_grad_bytes <= cap):
+                buckets[-1].append(layer)
+            else:
+                buckets.append([layer])
+        return buckets
+
+    def dense_sync_ops(self) -> list[CollectiveOp]:
+        """One all-reduce over all ranks per router-gradient bucket (``grad_buckets``),
+        in backward order; its ``layer`` is the bucket's last-ready (lowest) layer.
         Expert weights never go through it (M8's pitfall)."""
         if len(self.world) < 2:
             return []
-        m = self.s.model
-        size = (m.hidden_size * m.num_experts + m.num_experts) * ROUTER_PARAM_BYTES
-        return [CollectiveOp("all_reduce", self.world, "dense_sync", layer, size=size, label="router gradients")]
+        return [CollectiveOp("all_reduce", self.world, "dense_sync", min(b), size=len(b) * self.router_grad_bytes,
+                             label=f"router gradients, layers {min(b)}-{max(b)}") for b in self.grad_buckets()]
 
-    def dense_sync_bucket(self) -> list[CollectiveOp]:
-        """Every layer's router gradient in one all-reduce (layer -1), as a data-parallel
-        bucket: one call instead of one per layer when the sync waits for the whole
-        backward anyway (no ``overlap.sync_with_backward``)."""
-        ops = [op for layer in range(self.s.model.num_layers) for op in self.dense_sync_ops(layer)]
-        if not ops:
-            return []
-        return [CollectiveOp("all_reduce", self.world, "dense_sync", -1, size=sum(op.size for op in ops),
-                             label="router gradients, all layers")]
+    @staticmethod
+    def bucket_layers(op: CollectiveOp) -> range:
+        """The layers whose router gradients a ``dense_sync_ops`` op carries."""
+        lo, hi = op.label.split()[-1].split("-")
+        return range(int(lo), int(hi) + 1)
 
-    def heat_ops(self) -> list[CollectiveOp]:
-        """With measured compute heat (M18), every rank adds up the expert kernel seconds
-        of all ranks (L*E float64) each step, so that every controller is told the same."""
-        if self.s.heat.compute_source != "measured" or len(self.world) < 2:
+    def heat_ops(self, steps: int = 1) -> list[CollectiveOp]:
+        """At a heat update (M18, every ``heat.update_interval`` steps): the compute heat of
+        every expert instance in each of the ``steps`` steps since the last update
+        (steps x L x E float64: kept slots, or the measured expert kernel seconds with
+        ``heat.compute_source = "measured"``) summed over all ranks in one all-reduce, so
+        that every rank's heat map, and the pager decisions drawn from it, are the same.
+        Not needed for kept slots with one replica: the route all_gather already gave
+        every rank the world's counts."""
+        if len(self.world) < 2 or (self.s.heat.compute_source != "measured" and self.layout.replicas < 2):
             return []
         m = self.s.model
-        return [CollectiveOp("all_reduce", self.world, "heat", size=m.num_layers * m.num_experts * 8,
-                             label="measured compute heat")]
+        return [CollectiveOp("all_reduce", self.world, "heat", size=steps * m.num_layers * m.num_experts * HEAT_BYTES,
+                             label=f"compute heat of {steps} steps")]
 
     def expert_sync_ops(self, layer: int, active_groups: list[tuple[int, ...]]) -> list[CollectiveOp]:
         """Expert-gradient sync of one layer.
@@ -190,6 +282,12 @@ class Planner:
             ops.append(CollectiveOp("all_gather", grp, "expert_sync", layer, size=padded // len(grp) * m.dtype_bytes,
                                     batch=2 * batch + 1, stream=stream, cached=True, label=f"expert {e}"))
         return ops
+
+
+def packed_bytes(bits: int) -> int:
+    """Bytes of ``bits`` booleans packed 8 to a byte (``numpy.packbits``): the size of
+    the discovery and refresh-request payloads."""
+    return -(-bits // 8)
 
 
 def padded_elements(elements: int, group_size: int) -> int:

@@ -39,9 +39,11 @@ def test_real_run_and_its_replay_move_the_same_bytes(tmp_path, token, sync, payl
 
 
 def test_measured_heat_all_reduce_is_planned(tmp_path):
-    """With measured compute heat the ranks add up their kernel seconds every step; the
-    planner plans that all-reduce, so the heat stage moves the same bytes in the replay.
-    (Page moves may differ: the pager follows measured, not simulated, heat.)"""
+    """With measured compute heat the ranks add up their kernel seconds at every heat
+    update (every 2 steps here), those of the steps since the last one in one all-reduce;
+    the planner plans it, so the heat stage moves the same bytes in the replay: per
+    measured step (1-4), 2 steps' worth every other step. (Page moves may differ: the
+    pager follows measured, not simulated, heat.)"""
     s = scenario(tmp_path, "alltoall", "allreduce").replace(heat={"compute_source": "measured"},
                                                             real={"check_weights": False})
     real = run_scenario(s, "real")

@@ -26,7 +26,8 @@ def test_measured_heat_and_profiler_traces(tmp_path):
     updates = [r.expert_states for r in result.records if r.expert_states]
     assert updates and any(u["cold"] > 0 for u in updates)  # frozen experts, routed to again
     for r in result.records:
-        assert r.bytes_by_stage["heat"] > 0  # the all-reduce of measured seconds is counted
+        # the all-reduce of measured seconds runs (and is counted) at heat updates only
+        assert (r.bytes_by_stage.get("heat", 0) > 0) == (r.step % 2 == 1)
         assert r.stage_time_s["experts"] > 0 and r.stage_time_s["experts_backward"] > 0
     for rank in range(4):
         trace = json.loads((tmp_path / f"torch_trace_rank{rank}.json").read_text())

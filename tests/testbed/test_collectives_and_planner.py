@@ -127,31 +127,68 @@ def test_single_member_ops_are_left_out():
     s = Scenario.from_dict({"cluster": {"gpus_per_node": 1, "nodes_per_microcluster": 1, "microclusters": 1},
                             "parallelism": {"ep_size": 1}})
     p = Planner(s)
-    assert p.route_ops(0) == [] and p.dense_sync_ops(0) == [] and p.expert_sync_ops(0, []) == []
+    assert p.route_ops(0) == [] and p.dense_sync_ops() == [] and p.expert_sync_ops(0, []) == []
+    assert p.discovery_ops() == [] and p.heat_ops() == [] and p.refresh_request_ops(0, [0]) == []
     assert p.token_ops("dispatch", 0, np.ones((1, 8), dtype=int)) == []
 
 
-def test_router_gradients_of_every_layer_go_in_one_bucket_unless_synced_during_the_backward():
+def test_routed_counts_travel_within_each_ep_group_not_the_world():
+    s = Scenario.from_dict({"parallelism": {"ep_size": 4}})  # 8 GPUs: EP groups {0..3}, {4..7}
+    ops = Planner(s).route_ops(3)
+    assert [(op.kind, op.members, op.stage, op.layer) for op in ops] == [
+        ("all_gather", (0, 1, 2, 3), "route", 3), ("all_gather", (4, 5, 6, 7), "route", 3)]
+    assert all(op.size == s.model.num_experts * 4 for op in ops)
+    strided = Planner(s.replace(parallelism={"placement": "strided"})).route_ops(0)
+    assert [op.members for op in strided] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    # one EP group = the world: the same all-gather tells every rank everything, no other world view
+    one = Planner(s.replace(parallelism={"ep_size": 8}))
+    assert [op.members for op in one.route_ops(0)] == [tuple(range(8))]
+    assert one.discovery_ops() == [] and one.heat_ops() == []
+
+
+def test_the_world_view_is_one_bit_packed_discovery_and_one_heat_all_reduce():
+    s = Scenario.from_dict({"parallelism": {"ep_size": 4}, "model": {"num_layers": 3, "num_experts": 12}})
+    p = Planner(s)
+    (disc,) = p.discovery_ops()
+    assert (disc.kind, disc.members, disc.stage, disc.layer) == ("all_gather", tuple(range(8)), "expert_sync", -1)
+    assert disc.size == -(-3 * 12 // 8)  # L x E bits
+    (heat,) = p.heat_ops(10)  # the steps since the last heat update
+    assert (heat.kind, heat.members, heat.stage, heat.size) == ("all_reduce", tuple(range(8)), "heat", 10 * 3 * 12 * 8)
+    req = p.refresh_request_ops(1, [2])
+    assert [(op.kind, op.members, op.stage, op.layer, op.size) for op in req] == [
+        ("all_gather", (2, 6), "paging", 1, 1)]  # 3 experts of shard 2 -> 3 bits -> 1 byte
+
+
+def test_router_gradients_go_in_ddp_buckets_filled_in_backward_order():
+    s = Scenario.from_dict({"model": {"num_layers": 5, "hidden_size": 64, "num_experts": 8}})
+    per_layer = (64 * 8 + 8) * 4
+    p = Planner(s.replace(comm={"grad_bucket_bytes": 2 * per_layer}))
+    assert p.grad_buckets() == [[4, 3], [2, 1], [0]]
+    ops = p.dense_sync_ops()
+    assert [(op.kind, op.members, op.layer, op.size) for op in ops] == [
+        ("all_reduce", tuple(range(8)), 3, 2 * per_layer), ("all_reduce", tuple(range(8)), 1, 2 * per_layer),
+        ("all_reduce", tuple(range(8)), 0, per_layer)]
+    assert [list(Planner.bucket_layers(op)) for op in ops] == [[3, 4], [1, 2], [0]]
+    assert all(op.size <= 2 * per_layer for op in ops)
+    assert Planner(s.replace(comm={"grad_bucket_bytes": 2 * per_layer - 1})).grad_buckets() == [[4], [3], [2], [1], [0]]
+    assert Planner(s.replace(comm={"grad_bucket_bytes": 0})).grad_buckets() == [[4, 3, 2, 1, 0]]
+    # the default is DDP's 25 MiB: these small layers share one bucket
+    assert Planner(s).grad_buckets() == [[4, 3, 2, 1, 0]]
+
+
+def test_router_gradient_buckets_are_the_same_with_and_without_overlap():
     from testbed.controller import Controller
 
-    s = Scenario.from_dict({"model": {"num_layers": 3}})
-    c = Controller(s)
+    s = Scenario.from_dict({"model": {"num_layers": 3}, "comm": {"grad_bucket_bytes": (64 * 8 + 8) * 4}})
     routed = np.full((s.world_size, s.model.num_experts), 8)
-    c.begin_step(0)
-    for layer in range(3):
-        c.forward_layer(layer, routed)
-    for layer in reversed(range(3)):
-        c.backward_layer(layer)
-    (bucket,) = c.sync().dense_sync_ops
-    per_layer = Planner(s).dense_sync_ops(0)[0]
-    assert bucket.layer == -1 and bucket.size == 3 * per_layer.size and bucket.members == per_layer.members
-    overlapped = Controller(s.replace(overlap={"sync_with_backward": True}))
-    overlapped.begin_step(0)
-    for layer in range(3):
-        overlapped.forward_layer(layer, routed)
-    for layer in reversed(range(3)):
-        overlapped.backward_layer(layer)
-    assert [op.layer for op in overlapped.sync().dense_sync_ops] == [2, 1, 0]
+    for overlap in (False, True):
+        c = Controller(s.replace(overlap={"sync_with_backward": overlap}))
+        c.begin_step(0)
+        for layer in range(3):
+            c.forward_layer(layer, routed)
+        for layer in reversed(range(3)):
+            c.backward_layer(layer)
+        assert [op.layer for op in c.sync().dense_sync_ops] == [2, 1, 0]
 
 
 def test_algorithm_steps_count_what_each_call_waits_for_in_turn():

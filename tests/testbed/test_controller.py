@@ -3,6 +3,7 @@ cache, page moves per rank, and determinism."""
 
 import numpy as np
 
+from testbed.capacity import kept_counts
 from testbed.controller import Controller
 from testbed.page_moves import REASONS, page_move_count
 from testbed.scenario import Scenario
@@ -47,7 +48,9 @@ def test_two_stage_leaves_unused_replicas_stale_and_refreshes_them_when_needed()
     # next step group 1 routes to expert 0: rank 4 gets it from rank 0 first
     fwd, _, sync, _ = run_step(c, 1, np.full((8, 8), 10))
     refresh = fwd[0].refresh_ops
-    assert [(op.kind, op.members, op.size) for op in refresh] == [("p2p", (0, 4), s.model.expert_bytes)]
+    # shard 0's replicas (ranks 0 and 4) first tell each other who needs its experts (M9)
+    assert [(op.kind, op.members, op.size, op.batch) for op in refresh] == [
+        ("all_gather", (0, 4), 1, 0), ("p2p", (0, 4), s.model.expert_bytes, 1)]
     assert (fwd[0].page_moves[4].reason == REASONS.index("refresh")).sum() == c.pages_per_expert
     assert c.fresh.all()
 
@@ -96,6 +99,97 @@ def test_a_rank_local_controller_takes_the_same_decisions_as_the_global_one():
                 assert np.array_equal(getattr(fa.page_moves[5], name), getattr(fb.page_moves[5], name))
         assert np.array_equal(a[2].updated[5], b[2].updated[5])
         assert a[2].cache.hits == b[2].cache.hits
+
+
+def told_step(c, step, routed, rank, heat_history):
+    """One step of the controller of real rank ``rank``, told only what the planner's ops
+    bring it: its EP group's counts (route), its shard's refresh requests, the discovery
+    (sync) and, at heat updates, the compute heat summed over ranks (end_step;
+    ``heat_history``: every step's world totals so far, which that all-reduce returns)."""
+    lay, s = c.layout, c.s
+    g, j, n = lay.group_of[rank], lay.index_of[rank], lay.experts_per_rank
+    members = list(lay.ep_group(g))
+    c.begin_step(step)
+    kept_world = np.stack([kept_counts(routed[l], c.capacity) for l in range(c.L)])  # [L, W, E]
+    active_world = kept_world[:, lay.rank_of].sum(axis=2) > 0  # [L, R, E]
+    fwd = []
+    for l in range(c.L):
+        mine = np.zeros_like(routed[l])
+        mine[members] = routed[l][members]
+        requests = [op for op in c.refresh_request_ops(l) if rank in op.members]
+        told = {j: active_world[l][:, j * n:(j + 1) * n]} if requests else None
+        fwd.append(c.forward_layer(l, mine, told))
+    bwd = [c.backward_layer(l) for l in reversed(range(c.L))]
+    sync = c.sync(active_world)
+    heat_history.append(kept_world.sum(axis=1).reshape(-1).astype(float))
+    summed = []
+
+    def sum_over_ranks(own):  # the all-reduce: this rank's rows in, the world's out
+        assert np.array_equal(own[-1], kept_world[:, rank].reshape(-1))
+        summed.append(len(own))
+        return np.stack(heat_history[-len(own):])
+
+    end = c.end_step(kept_world[:, rank].reshape(-1), sum_over_ranks)
+    assert summed == ([s.heat.update_interval] if c.heat.is_due(step) else [])
+    return fwd, bwd, sync, end
+
+
+def test_a_rank_told_only_what_its_ops_bring_decides_what_involves_it_as_the_simulator_does():
+    s = scen(expert_sync="two_stage").replace(pager={"gpu_budget_bytes": 65536})
+    wl = SyntheticWorkload(s)
+    full = Controller(s)
+    ranks = (0, 5)
+    mine = {r: Controller(s, paged_ranks=[r]) for r in ranks}
+    history = {r: [] for r in ranks}
+    saw_refresh = False
+    for step in range(6):
+        routed = wl.routed_counts(step)
+        if step % 2 == 0:  # group 1 leaves some experts alone: stale replicas, refreshed later
+            routed[:, 4:, :3] = 0
+        a = run_step(full, step, routed)
+        for r, c in mine.items():
+            b = told_step(c, step, routed, r, history[r])
+            for fa, fb in zip(a[0], b[0]):
+                involving = lambda ops: [(o.kind, o.members, o.size) for o in ops if r in o.members]  # noqa: E731
+                assert involving(fa.refresh_ops) == involving(fb.refresh_ops)
+                assert involving(fa.route_ops + fa.dispatch_ops) == involving(fb.route_ops + fb.dispatch_ops)
+                saw_refresh |= any(o.kind == "p2p" and r in o.members for o in fb.refresh_ops)
+                for name in ("page", "expert", "slot", "src", "dst", "nbytes", "reason"):
+                    assert np.array_equal(getattr(fa.page_moves[r], name), getattr(fb.page_moves[r], name))
+            assert [(o.kind, o.members, o.size) for o in a[2].expert_sync_ops] == \
+                [(o.kind, o.members, o.size) for o in b[2].expert_sync_ops]
+            assert np.array_equal(a[2].updated[r], b[2].updated[r])
+            assert (a[2].cache.hits, a[2].cache.created) == (b[2].cache.hits, b[2].cache.created)
+            assert np.array_equal(full.fresh, c.fresh)
+            assert (a[3].heat is None) == (b[3].heat is None)
+            if a[3].heat is not None:
+                assert np.array_equal(a[3].heat.states, b[3].heat.states)
+            for name in ("page", "expert", "src", "dst", "reason"):
+                assert np.array_equal(getattr(a[3].page_moves.get(r), name, None), getattr(b[3].page_moves.get(r), name, None))
+    assert saw_refresh
+
+
+def test_the_world_view_is_costed_once_per_step_and_heat_once_per_heat_update():
+    """Per layer only EP-group ops; the step's discovery is one op, and the heat of the
+    steps since the last heat update one all-reduce at the update."""
+    s = scen(expert_sync="two_stage")  # heat update every 2 steps
+    c = Controller(s)
+    world = tuple(range(s.world_size))
+    wl = SyntheticWorkload(s)
+    for step in range(4):
+        fwd, bwd, sync, end = run_step(c, step, wl.routed_counts(step))
+        per_layer = [op for f in fwd for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops]
+        per_layer += [op for b in bwd for op in b.combine_backward_ops + b.dispatch_backward_ops]
+        assert per_layer and all(op.members != world for op in per_layer)
+        assert [op.label for op in sync.expert_sync_ops if op.members == world] == [
+            "active experts, all layers (M10 discovery)"]
+        assert sync.expert_sync_ops[0].layer == -1
+        if step % 2 == 0:
+            assert end.heat is None and end.heat_ops == []
+        else:
+            (op,) = end.heat_ops
+            assert (op.kind, op.stage, op.members) == ("all_reduce", "heat", world)
+            assert op.size == 2 * s.model.num_layers * s.model.num_experts * 8
 
 
 def test_heat_updates_when_due_and_moves_are_counted():
