@@ -1,0 +1,180 @@
+"""Analytic mode with collectives that share links (sim.schedule.run_analytic): ops that
+run at the same time slow each other where they share a link, as in flow mode, and only
+there."""
+
+import numpy as np
+import pytest
+import simpy
+
+import sim.schedule
+from sim.analytic_timer import AnalyticTimer
+from sim.collective_model import CollectiveModel
+from sim.fabric import build_fabric
+from sim.network import Network
+from sim.phases import Phase
+from sim.schedule import run_analytic, run_flows
+from testbed.collectives import CollectiveOp
+from testbed.profile import load_profile, profile_from_dict
+from testbed.runner import run_scenario
+from testbed.scenario import ClusterConfig, Scenario
+
+GB = 1e9
+FLOW_TOLERANCE = 0.03  # flow mode's finishes wait up to 1% (Network.coalesce); a little more for latency
+
+
+def profile(nic=40.0, spine=10.0):
+    """h200's latencies and algorithms, round link rates (GB/s)."""
+    d = load_profile("h200").to_dict()
+    d["links"]["nic"]["bandwidth_GBps"] = nic
+    d["links"]["spine"]["bandwidth_GBps"] = spine
+    return profile_from_dict(d, "test")
+
+
+def models(cluster: ClusterConfig, prof):
+    """(analytic timer, flow-mode collective model) on fabrics of the cluster."""
+    analytic = CollectiveModel(Network(simpy.Environment(), build_fabric(cluster, prof), "analytic"), prof)
+    flow = CollectiveModel(Network(simpy.Environment(), build_fabric(cluster, prof), "flow"), prof)
+    return AnalyticTimer(analytic), flow
+
+
+def two_leaves(gpus_per_node=2, oversub=2.0) -> ClusterConfig:
+    """Two micro-clusters of one node each: traffic between them crosses the spine (with
+    ``profile``'s figures, 2 GPUs x 10 GB/s / 2 = 10 GB/s each way per leaf)."""
+    return ClusterConfig(gpus_per_node=gpus_per_node, nodes_per_microcluster=1, microclusters=2,
+                         leaf_spine_oversubscription=oversub)
+
+
+def all_to_all(members, nbytes, stage="dispatch"):
+    p = len(members)
+    return CollectiveOp("all_to_all_v", tuple(members), stage, matrix=np.full((p, p), nbytes) - np.diag([nbytes] * p))
+
+
+def durations(timeline) -> list[float]:
+    return [end - start for _, start, end in timeline.ops]
+
+
+def transfer(timer, op, seconds) -> float:
+    """Seconds of ``op``'s bytes flowing: its time less its fixed latencies."""
+    return seconds - sum(load.fixed_s for load in timer.stage_loads(op))
+
+
+def test_two_all_to_alls_sharing_a_spine_link_take_twice_as_long():
+    """Group A = GPUs 0 and 2, group B = 1 and 3, one GPU of each on each leaf. A leaf's
+    spine uplink carries 10 GB/s, its NICs 40: alone, each all-to-all sends S over the
+    uplink (S / 10 GB/s); together they send 2 S over it, so each takes twice as long
+    (max-min: the two flows on the uplink get 5 GB/s each). Flow mode agrees."""
+    cluster, prof = two_leaves(), profile()
+    timer, flow = models(cluster, prof)
+    a, b = all_to_all((0, 2), 1 * GB), all_to_all((1, 3), 1 * GB)
+    alone = [transfer(timer, op, timer.seconds(op)) for op in (a, b)]
+    assert alone == pytest.approx([0.1, 0.1], rel=1e-6)  # 1 GB over 10 GB/s
+    together = [Phase("dispatch", 0, "ops", "comm", (), ops=[a, b])]
+    analytic = run_analytic(together, 4, timer, 0.0, 0.0)
+    assert [transfer(timer, op, d) for op, d in zip((a, b), durations(analytic))] == pytest.approx([0.2, 0.2], rel=1e-6)
+    flows = run_flows(together, 4, flow, 0.0, 0.0)
+    assert durations(analytic) == pytest.approx(durations(flows), rel=FLOW_TOLERANCE)
+
+
+def test_an_all_to_all_joining_halfway_shares_the_rest():
+    """B starts when A is half done: A moves its second half at half rate (0.05 s ->
+    0.1 s), B shares for that time and then runs alone: both take 0.15 s, A ending
+    first, as max-min (and flow mode) has it."""
+    cluster, prof = two_leaves(), profile()
+    timer, flow = models(cluster, prof)
+    a, b = all_to_all((0, 2), 1 * GB), all_to_all((1, 3), 1 * GB)
+    delay = np.zeros(4)
+    delay[[1, 3]] = 0.05  # B's members arrive when half of A's bytes are through (same latency)
+    phases = [Phase("dispatch", 0, "ops", "comm", (), ops=[a]),
+              Phase("experts", 0, "compute", "compute", (), seconds=delay),
+              Phase("dispatch", 0, "ops", "sync", (1,), ops=[b])]
+    analytic = run_analytic(phases, 4, timer, 0.0, 0.0)
+    # as consistent as run_analytic's fixed point is asked to be
+    assert [transfer(timer, op, d) for op, d in zip((a, b), durations(analytic))] == \
+        pytest.approx([0.15, 0.15], rel=sim.schedule.PASS_RTOL)
+    flows = run_flows(phases, 4, flow, 0.0, 0.0)
+    assert durations(analytic) == pytest.approx(durations(flows), rel=FLOW_TOLERANCE)
+
+
+def test_ops_on_disjoint_links_keep_their_time_alone():
+    """Groups inside one node each (0-1 on leaf 0, 2-3 on leaf 1) use only their own
+    NVLink ports: together they take exactly their time alone."""
+    cluster, prof = two_leaves(), profile()
+    timer, _ = models(cluster, prof)
+    a, b = all_to_all((0, 1), 1 * GB), all_to_all((2, 3), 3 * GB)
+    alone = [timer.seconds(op) for op in (a, b)]
+    analytic = run_analytic([Phase("dispatch", 0, "ops", "comm", (), ops=[a, b])], 4, timer, 0.0, 0.0)
+    assert durations(analytic) == alone
+
+
+def test_ops_one_after_another_on_the_same_links_keep_their_time_alone():
+    """The same group's dispatch and combine cross the same spine link, one after the
+    other on the comm stream: they never share it, so each keeps its time alone."""
+    cluster, prof = two_leaves(), profile()
+    timer, _ = models(cluster, prof)
+    a, b = all_to_all((0, 2), 1 * GB), all_to_all((0, 2), 2 * GB, "combine")
+    phases = [Phase("dispatch", 0, "ops", "comm", (), ops=[a]), Phase("combine", 0, "ops", "comm", (0,), ops=[b])]
+    analytic = run_analytic(phases, 4, timer, 0.0, 0.0)
+    assert durations(analytic) == pytest.approx([timer.seconds(a), timer.seconds(b)], rel=1e-12)  # end - start
+
+
+def test_a_ring_gets_its_flows_share_of_a_nic_an_all_to_all_crosses_with_many():
+    """GPU 0 sends a ring all-reduce's one flow and an all-to-all's three flows through its
+    NIC at the same time: max-min gives the all-to-all 3/4 of the NIC, not half."""
+    cluster, prof = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=2, microclusters=1), profile(nic=40.0)
+    timer, flow = models(cluster, prof)
+    a2a = CollectiveOp("all_to_all_v", (0, 4, 5, 6), "combine_backward",
+                       matrix=np.array([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]) * GB)
+    ring = CollectiveOp("all_reduce", (0, 7), "expert_sync", size=int(8 * GB))
+    phases = [Phase("combine_backward", 0, "ops", "comm", (), ops=[a2a]),
+              Phase("expert_sync", 0, "ops", "sync", (), ops=[ring])]
+    analytic = run_analytic(phases, 8, timer, 0.0, 0.0)
+    a2a_s = transfer(timer, a2a, durations(analytic)[0])
+    assert a2a_s == pytest.approx(3 * GB / (0.75 * 40 * GB), rel=0.02)  # 3 GB at 30 GB/s
+    flows = run_flows(phases, 8, flow, 0.0, 0.0)
+    assert durations(analytic) == pytest.approx(durations(flows), rel=FLOW_TOLERANCE)
+
+
+def test_copies_count_their_bytes_once_however_many_passes():
+    """A copy next to contending all-to-alls: the fixed point takes several passes, the
+    PCIe statistics count the copy once."""
+    cluster, prof = two_leaves(), profile()
+    timer, _ = models(cluster, prof)
+    h2d = np.array([5e8, 0, 0, 0])
+    phases = [Phase("dispatch", 0, "ops", "comm", (), ops=[all_to_all((0, 2), 1 * GB), all_to_all((1, 3), 1 * GB)]),
+              Phase("paging", 0, "copy", "copy", (), h2d=h2d, d2h=np.zeros(4), pages=np.array([1, 0, 0, 0]))]
+    run_analytic(phases, 4, timer, 0.0, 0.0)
+    pcie = timer.fabric.offset["h2d"] + np.arange(4)
+    assert timer.stats.bytes_by_edge[pcie].tolist() == h2d.tolist()
+
+
+def overlapped_sync(tmp_path, mode):
+    """16 H200s, 4 per node, a node per leaf and an oversubscribed spine; EP groups of 8
+    across two leaves; the replicas' gradient all-reduce on the sync stream during the
+    backward (M22) crosses the same NICs and uplinks as the backward's all-to-alls."""
+    return Scenario.from_dict({
+        "model": {"hidden_size": 4096, "ffn_hidden_size": 2048, "num_layers": 2, "num_experts": 16, "dtype": "bf16"},
+        "cluster": {"profile": "h200", "gpus_per_node": 4, "nodes_per_microcluster": 1, "microclusters": 4,
+                    "leaf_spine_oversubscription": 4.0},
+        "parallelism": {"ep_size": 8}, "pager": {"enabled": False},
+        "comm": {"expert_sync": "allreduce"}, "overlap": {"sync_with_backward": True},
+        "workload": {"tokens_per_rank": 4096, "skew": 1.0},
+        "run": {"steps": 2, "warmup_steps": 1, "output_dir": str(tmp_path)},
+        "sim": {"network_model": mode},
+    })
+
+
+def test_sync_overlapping_the_backward_slows_both_as_in_flow_mode(tmp_path, monkeypatch):
+    """With the expert sync on its own stream, analytic mode used to time it and the
+    backward's all-to-alls as if each were alone on the fabric: the sync came out 4x too
+    fast. Sharing links, both stages and the step agree with flow mode within 10%."""
+    flow = run_scenario(overlapped_sync(tmp_path, "flow"), "sim")
+    shared = run_scenario(overlapped_sync(tmp_path, "analytic"), "sim")
+    monkeypatch.setattr(sim.schedule.LinkLoads, "delays", lambda self, begin, length: np.zeros(len(begin)))  # all alone
+    alone = run_scenario(overlapped_sync(tmp_path, "analytic"), "sim")
+    stages = ("expert_sync", "combine_backward", "dispatch_backward")
+    for stage in stages:
+        assert shared["stage_time_s"][stage] == pytest.approx(flow["stage_time_s"][stage], rel=0.10), stage
+    assert shared["step_time_s"] == pytest.approx(flow["step_time_s"], rel=0.10)
+    assert alone["stage_time_s"]["expert_sync"] < 0.5 * flow["stage_time_s"]["expert_sync"]
+    assert shared["stage_time_s"]["combine_backward"] > 1.05 * alone["stage_time_s"]["combine_backward"]
+    assert shared["bytes_by_stage"] == alone["bytes_by_stage"] == flow["bytes_by_stage"]
