@@ -273,14 +273,23 @@ class Planner:
         ops = []
         synced = [e for e, grp in enumerate(active_groups) if len(grp) >= 2]
         per_batch = self.s.comm.sync_batch_experts
-        for i, e in enumerate(synced):
-            grp = active_groups[e]
-            padded = padded_elements(m.expert_params, len(grp))
-            batch, stream = divmod(i, per_batch)
-            ops.append(CollectiveOp("reduce_scatter", grp, "expert_sync", layer, size=padded * m.dtype_bytes,
-                                    batch=2 * batch, stream=stream, cached=True, label=f"expert {e}"))
-            ops.append(CollectiveOp("all_gather", grp, "expert_sync", layer, size=padded // len(grp) * m.dtype_bytes,
-                                    batch=2 * batch + 1, stream=stream, cached=True, label=f"expert {e}"))
+        # a batch of experts runs together (M9): every reduce-scatter of the batch, then
+        # every all-gather, so that consecutive ops of one (layer, batch) are the batch
+        # (both backends run consecutive ops of one batch concurrently)
+        for first in range(0, len(synced), per_batch):
+            batch = first // per_batch
+            chunk = list(enumerate(synced[first:first + per_batch]))
+            for stream, e in chunk:
+                grp = active_groups[e]
+                padded = padded_elements(m.expert_params, len(grp))
+                ops.append(CollectiveOp("reduce_scatter", grp, "expert_sync", layer, size=padded * m.dtype_bytes,
+                                        batch=2 * batch, stream=stream, cached=True, label=f"expert {e}"))
+            for stream, e in chunk:
+                grp = active_groups[e]
+                padded = padded_elements(m.expert_params, len(grp))
+                ops.append(CollectiveOp("all_gather", grp, "expert_sync", layer,
+                                        size=padded // len(grp) * m.dtype_bytes, batch=2 * batch + 1, stream=stream,
+                                        cached=True, label=f"expert {e}"))
         return ops
 
 

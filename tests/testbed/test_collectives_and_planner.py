@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from sim.phases import batches
 from testbed.collectives import ByteLedger, CollectiveOp, transfers, wire_bytes
 from testbed.planner import Planner, padded_elements
 from testbed.scenario import Scenario
@@ -119,6 +120,9 @@ def test_expert_sync_allreduce_vs_two_stage():
     assert all(op.cached for op in ts)
     # batches of 4 experts: RS of batch b in 2b, AG in 2b+1, streams 0..3
     assert [op.batch for op in rs] == [0, 0, 0, 0, 2, 2] and [op.stream for op in rs] == [0, 1, 2, 3, 0, 1]
+    # a batch's ops are consecutive, which is what both backends run together
+    assert [(op.kind[0], op.batch) for op in ts] == [("r", 0)] * 4 + [("a", 1)] * 4 + [("r", 2)] * 2 + [("a", 3)] * 2
+    assert [len(b) for b in batches(ts)] == [4, 4, 2, 2]
     n = padded_elements(s_ts.model.expert_params, 2)
     assert sum(op.wire_bytes for op in ts) == len(synced) * (1 * n * 4 + 2 * 1 * (n // 2) * 4)
 
