@@ -4,7 +4,8 @@ Per step: faults due at this step change the fabric or cost a restart; routing c
 from the synthetic workload (M4) or a recorded trace (``workload.trace``); the shared
 controller takes every decision; ``PhaseBuilder`` turns them into timed work on each
 GPU's streams; an executor times the phases (``sim.network_model``: ``flow`` =
-simpy over the max-min fair network, ``analytic`` = the vectorised bottleneck
+every flow on the max-min fair network, the ranks' phases advanced in numpy between the
+network's events (``sim.flow_executor``), ``analytic`` = the vectorised bottleneck
 schedule, ``auto`` = flow up to ``sim.flow_max_gpus`` GPUs); ``step_report`` says what
 it means.
 """
@@ -12,6 +13,7 @@ it means.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import simpy
@@ -26,7 +28,6 @@ from testbed.progress import Progress
 from testbed.results import StepRecord, frozen_fraction
 from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
-from testbed.stages import stage_variant
 from testbed.topology import LEVELS, Layout
 from testbed.workload import SyntheticWorkload
 
@@ -38,7 +39,9 @@ from sim.fabric import build_fabric
 from sim.faults import Faults
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
-from sim.schedule import run_analytic, run_flows
+from sim.flow_executor import run_flows
+from sim.schedule import run_analytic
+from sim.software_latency import stage_host_seconds
 from sim.step_report import figures, trace_events
 
 TRACE_RANKS = 16  # GPUs shown in the Chrome trace
@@ -62,26 +65,6 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
-def host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple[float, float]]:
-    """Measured host cost per stage call: (seconds, seconds per byte of the stage's work)
-    (``measured.stage_us`` of the nearest measured world; for token stages and expert sync
-    the entry of the scenario's strategy when there is one)."""
-    rows = profile.measured.stage_us
-    if not rows:
-        return {}
-    world = scenario.world_size
-    nearest = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), w))
-    comm = scenario.comm
-    out: dict[str, tuple[float, float]] = {}
-    for r in rows:
-        wanted = stage_variant(r["stage"], comm.token_strategy, comm.expert_sync)
-        if r["world"] != nearest or r["variant"] not in ("", wanted):
-            continue
-        if r["stage"] not in out or r["variant"]:  # a matching variant beats a generic entry
-            out[r["stage"]] = (r["us"] * 1e-6, r["us_per_MB"] * 1e-12)
-    return out
-
-
 class ClusterSim:
     """The simulated cluster of one run: fabric, network, models, controller, clock."""
 
@@ -103,7 +86,7 @@ class ClusterSim:
                                                                  shared_cores=self.cores is not None),
                                     profile.collectives.group_create_ms * 1e-3, profile.copy.overlap > 0,
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
-                                    host_s=host_seconds(profile, s))
+                                    host_s=stage_host_seconds(profile, s))
         self.faults = Faults(s, self.fabric)
         self.copy_latency = profile.copy.latency_us * 1e-6
         self.clock = 0.0
@@ -153,7 +136,7 @@ class ClusterSim:
             tl = run_analytic(phases, world, self.timer, self.clock, self.copy_latency)
         else:
             tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency, self.cores)
-        fig = figures(phases, tl, base, self.s.model.num_layers)
+        fig = figures(phases, tl, base, self.s.model.num_layers, shown=TRACE_RANKS)
         self.clock = tl.t0 + fig.step_time_s
         self.events += len(phases) * world + len(tl.ops)
         self.wire_bytes = self.network.wire_bytes_by_level(self.network.bytes_by_edge - carried, self.profile.protocol,
@@ -169,21 +152,34 @@ class SimBackend:
         s = scenario
         profile = load_profile(s.cluster.profile)
         routed_at = routing_source(s)
-        sim = ClusterSim(s, profile)
-        level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
-        bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
-        records, trace, routing, layer_times = [], [], [], []
-        for step in range(s.run.steps):
-            routed = np.asarray(routed_at(step))
-            routing.append(routed)
-            d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
-            record = _record(step, sim, d, fig, faults)
-            records.append(record)
-            layer_times.append(fig.layer_time_s)
-            trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity)
-            if on_step:
-                on_step(record)
-            bar.update(note=f"simulated step {record.step_time_s * 1e3:.2f} ms")
+        # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
+        # draws per step at paper scale): numpy's generators release the GIL, each step has
+        # its own generator, and nothing else touches the workload, so the counts are the same
+        ahead = ThreadPoolExecutor(max_workers=1)
+        upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
+        try:
+            sim = ClusterSim(s, profile)
+            level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
+            bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
+            records, trace, routing, layer_times = [], [], [], []
+            hops: dict = {}  # the ledgers' link levels per member set, kept over the steps
+            for step in range(s.run.steps):
+                routed = np.asarray(upcoming.result())
+                if step + 1 < s.run.steps:
+                    upcoming = ahead.submit(routed_at, step + 1)
+                routing.append(routed)
+                d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
+                ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
+                record = _record(step, sim, d, fig, faults, ledger)
+                records.append(record)
+                layer_times.append(fig.layer_time_s)
+                trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,
+                                      op_levels=ledger.op_bytes)
+                if on_step:
+                    on_step(record)
+                bar.update(note=f"simulated step {record.step_time_s * 1e3:.2f} ms")
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
         measured = records[s.run.warmup_steps:] or records
         elapsed = sum(r.step_time_s for r in records)
         trace += _trace_names(s.world_size, TRACE_RANKS)
@@ -208,10 +204,11 @@ class SimBackend:
         return RunResult(s, records, trace, routing_trace, extra)
 
 
-def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults) -> StepRecord:
+def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: ByteLedger | None = None) -> StepRecord:
     """One StepRecord: bytes from the decisions (as the real backend counts them), times
-    and memory from the simulated timeline."""
-    ledger = ByteLedger(sim.layout)
+    and memory from the simulated timeline. ``ledger``: an empty one to count into (the
+    trace then reuses its counts), a new one by default."""
+    ledger = ledger if ledger is not None else ByteLedger(sim.layout)
     moves = [d.sync.page_moves, d.end.page_moves]
     for f in d.forward:
         for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops:

@@ -11,7 +11,9 @@ measured link rates, latencies and kernel rates). Step figures: stage and layer 
 the step time and memory peak are the largest.
 
 The Chrome trace shows ``trace_ranks`` ranks (process = GPU, thread = stream), a memory
-counter per shown GPU and link-utilization counters per level for the whole fabric.
+counter per shown GPU (its changes only) and link-utilization counters per level for the
+whole fabric. At paper scale a step has thousands of phases on 1,440 GPUs: everything
+here works on [W] vectors or the shown ranks' columns, never on per-phase loops over ranks.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class StepFigures:
     exposed_s_max: float
     page_stall_s: float
     peak_memory_bytes: int
-    memory: np.ndarray  # [P, W] bytes held during each phase
+    memory: np.ndarray  # [P, shown] bytes the first ``shown`` ranks hold during each phase
     fitted_share: float  # mean over ranks of the share of its step time from fitted constants
 
 
-def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_layers: int) -> StepFigures:
+def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_layers: int,
+            shown: int = 0) -> StepFigures:
+    """The step's figures; ``memory`` is kept for the first ``shown`` ranks (the trace's)."""
     busy = tl.end - tl.start  # [P, W]
     world = busy.shape[1]
     stage_idx = np.array([STAGES.index(ph.stage) for ph in phases])
@@ -62,9 +66,9 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
             others = [d for d in ph.deps if d != ph.waits_for_pages]
             ready = np.max([tl.end[d] for d in others], axis=0) if others else np.full(world, tl.t0)
             stall += np.clip(tl.end[ph.waits_for_pages] - ready, 0, None)
-    memory = memory_timeline(phases, base_memory)
-    peak = memory.max(axis=0)
-    fitted = np.minimum(tl.fitted, busy).sum(axis=0) if tl.fitted is not None else np.zeros(world)
+    peak, memory = memory_timeline(phases, base_memory, shown)
+    # into busy, which is not needed any more: a [P, W] array less to allocate and fault in
+    fitted = np.minimum(tl.fitted, busy, out=busy).sum(axis=0) if tl.fitted is not None else np.zeros(world)
     share = np.divide(fitted, rank_time, out=np.zeros(world), where=rank_time > 0)
     return StepFigures(
         step_time_s=float(rank_time.max()),
@@ -84,60 +88,120 @@ def _one_hot(index: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def memory_timeline(phases: list[Phase], base: np.ndarray) -> np.ndarray:
-    """[P, W] bytes each GPU holds during each phase (allocation in issue order)."""
+def memory_timeline(phases: list[Phase], base: np.ndarray, shown: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """([W] peak bytes, [P, shown] bytes the first ``shown`` GPUs hold during each phase).
+
+    Allocation in issue order: during a phase a GPU holds what it held before plus the
+    phase's transient buffers; after it, plus its ``mem_delta``. One pass over the phases
+    with [W] vectors, not [P, W] matrices (thousands of phases x 1,440 GPUs at paper
+    scale): the same float operations, in the same order, as ``base + cumsum(delta)`` row
+    by row, so the figures are the same to the bit.
+    """
     world = len(base)
-    delta = np.zeros((len(phases), world))
-    transient = np.zeros((len(phases), world))
+    held = np.zeros(world)  # cumulative mem_delta so far (cumsum's running row)
+    after = base + held
+    peak = np.array(after, dtype=float) if not phases else None
+    out = np.empty((len(phases), min(shown, world)))
+    row = np.zeros(world)
     for p, ph in enumerate(phases):
         if ph.mem_delta is not None:
-            delta[p] = ph.mem_delta
-        if ph.mem_transient is not None:
-            transient[p] = ph.mem_transient
-    after = base + np.cumsum(delta, axis=0)
-    during = after - delta + transient  # before this phase's own change lands
-    return np.maximum(during, after)
+            row[:] = ph.mem_delta
+            held = held + row
+            after = base + held
+            mem = after - row
+            if ph.mem_transient is not None:
+                mem = mem + ph.mem_transient
+            mem = np.maximum(mem, after)
+        elif ph.mem_transient is not None:
+            # no delta: after - 0 + t is after + t exactly
+            mem = np.maximum(after + ph.mem_transient, after)
+        else:
+            mem = after
+        peak = mem if peak is None else np.maximum(peak, mem)
+        out[p] = mem[:shown]
+    return peak, out
 
 
 def trace_events(step: int, phases: list[Phase], tl: Timeline, layout: Layout, trace_ranks: int,
-                 memory: np.ndarray, level_capacity: np.ndarray) -> list[dict]:
-    """Chrome trace events of one step (seconds -> microseconds)."""
-    events = []
-    shown = range(min(trace_ranks, tl.start.shape[1]))
+                 memory: np.ndarray, level_capacity: np.ndarray, op_levels=None) -> list[dict]:
+    """Chrome trace events of one step (seconds -> microseconds): the phases of the first
+    ``trace_ranks`` ranks, their memory (``memory``: [P, >= shown] bytes) and the fabric's
+    link utilization. ``op_levels(op)`` -> (bytes, [3] bytes per level) of one op
+    (``ByteLedger.op_bytes``; default: from the op's transfers)."""
+    n = min(trace_ranks, tl.start.shape[1])
     us = 1e6
-    for p, ph in enumerate(phases):
-        for r in shown:
-            s, e = tl.start[p, r], tl.end[p, r]
-            if e > s:
-                events.append({"name": ph.stage, "ph": "X", "pid": r, "tid": ph.stream, "ts": s * us,
-                               "dur": (e - s) * us, "args": {"step": step, "layer": ph.layer, "kind": ph.kind}})
-    for r in shown:
-        for p in range(len(phases)):
-            events.append({"name": "memory", "ph": "C", "pid": r, "ts": tl.end[p, r] * us,
-                           "args": {"GiB": memory[p, r] / 2**30}})
-    events += link_counters(tl, layout, level_capacity, pid=tl.start.shape[1])
+    start, end = tl.start[:, :n], tl.end[:, :n]
+    p_idx, r_idx = np.nonzero(end > start)  # phase-major, as the phases run
+    ts = (start[p_idx, r_idx] * us).tolist()
+    dur = ((end[p_idx, r_idx] - start[p_idx, r_idx]) * us).tolist()
+    events = [{"name": (ph := phases[p]).stage, "ph": "X", "pid": r, "tid": ph.stream, "ts": t, "dur": d,
+               "args": {"step": step, "layer": ph.layer, "kind": ph.kind}}
+              for p, r, t, d in zip(p_idx.tolist(), r_idx.tolist(), ts, dur)]
+    ends, gib = end * us, memory[:, :n] / 2**30
+    for r in range(n):
+        p = _counter_changes(ends[:, r], gib[:, r])
+        events += [{"name": "memory", "ph": "C", "pid": r, "ts": t, "args": {"GiB": g}}
+                   for t, g in zip(ends[p, r].tolist(), gib[p, r].tolist())]
+    events += link_counters(tl, layout, level_capacity, pid=tl.start.shape[1], op_levels=op_levels)
     return events
 
 
-def link_counters(tl: Timeline, layout: Layout, level_capacity: np.ndarray, pid: int) -> list[dict]:
+def _counter_changes(ts: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """Indices (ascending) of the samples of a counter that change its value: a viewer
+    draws a counter as a step function over time, so a sample equal to the one before it
+    in time (stable order for equal times) draws nothing. At paper scale 5 samples in 6
+    are such repeats (a GPU sits out most of the 2,000 expert-sync collectives): the
+    trace is that much smaller and looks the same."""
+    if not len(ts):
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(ts, kind="stable")
+    v = value[order]
+    changes = np.ones(len(v), dtype=bool)
+    changes[1:] = v[1:] != v[:-1]
+    return np.sort(order[changes])
+
+
+def link_counters(tl: Timeline, layout: Layout, level_capacity: np.ndarray, pid: int,
+                  op_levels=None) -> list[dict]:
     """Utilization per fabric level over the step: every collective's bytes per level
-    spread evenly over its duration, divided by the level's total capacity."""
+    spread evenly over its duration, divided by the level's total capacity.
+
+    Vectorised over (op, bin) pairs; each bin adds its ops' shares in op order (bincount
+    sums in input order), as the loop over ops did.
+    """
     if not tl.ops:
         return []
+    if op_levels is None:
+        op_levels = _levels_from_transfers(layout)
     t_end = max(e for _, _, e in tl.ops)
     edges = np.linspace(tl.t0, max(t_end, tl.t0 + 1e-12), COUNTER_BINS + 1)
+    rows = [(op_levels(op)[1], s, e) for op, s, e in tl.ops if e > s]
+    rows = [(lv, s, e) for lv, s, e in rows if lv.any()]  # an op that moves nothing adds nothing
     load = np.zeros((COUNTER_BINS, 3))
-    for op, s, e in tl.ops:
-        src, dst, nbytes = op.transfers()
-        if not len(nbytes) or e <= s:
-            continue
-        per_level = np.bincount(layout.level_matrix[src, dst], weights=nbytes, minlength=3)[:3]
-        lo, hi = np.searchsorted(edges, [s, e], side="right") - 1
-        for b in range(max(lo, 0), min(hi, COUNTER_BINS - 1) + 1):
-            overlap = min(e, edges[b + 1]) - max(s, edges[b])
-            if overlap > 0:
-                load[b] += per_level * overlap / (e - s)
+    if rows:
+        per_level = np.array([lv for lv, _, _ in rows], dtype=float)  # [ops, 3] bytes
+        s = np.array([r[1] for r in rows], dtype=float)
+        e = np.array([r[2] for r in rows], dtype=float)
+        lo = np.maximum(np.searchsorted(edges, s, side="right") - 1, 0)
+        hi = np.minimum(np.searchsorted(edges, e, side="right") - 1, COUNTER_BINS - 1)
+        n = np.maximum(hi - lo + 1, 0)
+        op = np.repeat(np.arange(len(rows)), n)  # (op, bin) pairs, op-major
+        b = lo[op] + (np.arange(len(op)) - np.repeat(np.cumsum(n) - n, n))
+        overlap = np.minimum(e[op], edges[b + 1]) - np.maximum(s[op], edges[b])
+        keep = overlap > 0
+        op, b, overlap = op[keep], b[keep], overlap[keep]
+        share = per_level[op] * overlap[:, None] / (e - s)[op][:, None]
+        for i in range(3):
+            load[:, i] = np.bincount(b, weights=share[:, i], minlength=COUNTER_BINS)
     width = np.diff(edges)[:, None]
     util = load / width / np.where(level_capacity[:3] > 0, level_capacity[:3], np.inf)
     return [{"name": "link utilization", "ph": "C", "pid": pid, "ts": edges[b] * 1e6,
              "args": {LEVELS[i]: float(util[b, i]) for i in range(3)}} for b in range(COUNTER_BINS)]
+
+
+def _levels_from_transfers(layout: Layout):
+    def levels(op):
+        src, dst, nbytes = op.transfers()
+        per_level = np.bincount(layout.level_matrix[src, dst], weights=nbytes, minlength=3)[:3]
+        return int(nbytes.sum()), per_level
+    return levels

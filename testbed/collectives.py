@@ -167,10 +167,20 @@ def bytes_by_level(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, layout:
 
 
 class ByteLedger:
-    """Running totals of bytes per stage and per level (nvlink, leaf, spine, pcie)."""
+    """Running totals of bytes per stage and per level (nvlink, leaf, spine, pcie).
 
-    def __init__(self, layout: Layout):
+    ``hops``: a dict the ledgers of one layout may share (the simulator keeps one per
+    run). Per member set it keeps the link level of every transfer of the set's ring or
+    all-to-all, so that counting an op is a lookup and a sum, not building its
+    transfers: a paper-scale step has 15,000 ops on a few hundred member sets.
+    ``op_bytes`` remembers the ops it has counted (the simulator's trace asks again
+    for the same ops of the step).
+    """
+
+    def __init__(self, layout: Layout, hops: dict | None = None):
         self.layout = layout
+        self.hops = {} if hops is None else hops
+        self._counted: dict[CollectiveOp, tuple[int, np.ndarray]] = {}  # ops hash by identity
         self.by_stage: dict[str, int] = {}
         self.by_level = np.zeros(len(LEVELS), dtype=np.int64)
 
@@ -180,7 +190,52 @@ class ByteLedger:
         self.by_level[:3] += bytes_by_level(np.asarray(src), np.asarray(dst), nbytes, self.layout)
 
     def add_op(self, op: CollectiveOp) -> None:
-        self.add_transfers(op.stage, *op.transfers())
+        total, per_level = self.op_bytes(op)
+        self.by_stage[op.stage] = self.by_stage.get(op.stage, 0) + total
+        self.by_level[:3] += per_level
+
+    def op_bytes(self, op: CollectiveOp) -> tuple[int, np.ndarray]:
+        """(wire bytes, int64 [3] of them per level nvlink/leaf/spine) of one op: the
+        totals of ``op.transfers()``, without building them (do not modify the array)."""
+        out = self._counted.get(op)
+        if out is None:
+            out = self._counted[op] = self._op_bytes(op)
+        return out
+
+    def _op_bytes(self, op: CollectiveOp) -> tuple[int, np.ndarray]:
+        kind, members = op.kind, op.members
+        if kind == "all_to_all_v":
+            levels = self._hops("a2a", members)  # [p * p] level of each pair, 3 on the diagonal
+            mat = np.asarray(op.matrix, dtype=np.int64)
+            # float sums of whole bytes, exact below 2**53, as bytes_by_level's
+            per_level = np.bincount(levels, weights=mat.ravel(), minlength=4)[:3].astype(np.int64)
+            return int(mat.sum() - np.trace(mat)), per_level
+        if kind == "p2p":
+            src, dst = members
+            per_level = np.zeros(3, dtype=np.int64)
+            if src == dst or op.size == 0:
+                return 0, per_level
+            per_level[self.layout.level_matrix[src, dst]] = op.size
+            return int(op.size), per_level
+        p = len(members)
+        if p <= 1:
+            return 0, np.zeros(3, dtype=np.int64)
+        per_member = wire_bytes(kind, p, op.size) // p  # each member to its ring successor
+        return per_member * p, per_member * self._hops("ring", members)
+
+    def _hops(self, shape: str, members: tuple[int, ...]) -> np.ndarray:
+        key = (shape, members)
+        out = self.hops.get(key)
+        if out is None:
+            m = np.asarray(members, dtype=np.int64)
+            if shape == "ring":  # hops per level of member i -> i+1
+                out = np.bincount(self.layout.level_matrix[m, np.roll(m, -1)], minlength=3)[:3].astype(np.int64)
+            else:
+                lv = self.layout.level_matrix[np.ix_(m, m)].astype(np.int64)
+                np.fill_diagonal(lv, 3)  # a rank's bytes to itself stay off the fabric
+                out = lv.ravel()
+            self.hops[key] = out
+        return out
 
     def add_pcie(self, stage: str, nbytes: int) -> None:
         self.by_stage[stage] = self.by_stage.get(stage, 0) + int(nbytes)

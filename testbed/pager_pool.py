@@ -112,6 +112,9 @@ class PagerPool:
         self.class_of = np.zeros(len(self.ranks), dtype=np.int64)
         self.pagers = [RankPager(int(self.ranks[0]), self.local[0], expert_bytes, config)]
         self.id_row = [0]
+        #: every row ascending, as documented: the vectorised id -> position translation needs it
+        self._sorted_rows = self.local.ndim == 2 and bool(np.all(np.diff(self.local, axis=1) > 0))
+        self._table: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -125,26 +128,70 @@ class PagerPool:
         """Call ``method`` on the pager of every GPU in ``per_rank`` (rank -> its own
         arguments; for expert-list methods the first one is instance ids of that rank),
         followed by ``common``. GPUs not named are not told anything."""
-        by_class: dict[int, dict[bytes, list[int]]] = {}
-        args_of: dict[int, tuple] = {}
-        for rank, args in per_rank.items():
-            row = self.row_of[rank]
-            local_args = self._to_local(method, row, args)
-            args_of[row] = local_args
-            key = b"|".join(np.ascontiguousarray(a).tobytes() for a in local_args)
-            by_class.setdefault(int(self.class_of[row]), {}).setdefault(key, []).append(row)
+        rows = [self.row_of[rank] for rank in per_rank]
+        keys, local_args = self._local_keys(method, rows, list(per_rank.values()))
+        # (class, arguments in local terms) -> the GPUs told that, in first-told order
+        told_alike: dict[tuple[int, bytes], list[int]] = {}
+        for i, class_key in enumerate(zip(self.class_of[rows].tolist(), keys)):
+            told = told_alike.get(class_key)
+            if told is None:
+                told_alike[class_key] = [i]
+            else:
+                told.append(i)
+        by_class: dict[int, list[list[int]]] = {}
+        for (c, _), told in told_alike.items():
+            by_class.setdefault(c, []).append(told)
+        # sizes before any split: a split moves GPUs of the class being handled to new classes
+        sizes = np.bincount(self.class_of, minlength=len(self.pagers))
         parts = []
         for c, groups in by_class.items():
-            untold = len(np.flatnonzero(self.class_of == c)) - sum(len(rows) for rows in groups.values())
+            untold = sizes[c] - sum(len(told) for told in groups)
             # copy before any call: the group that keeps class c (the first, when every
             # member is told something) is called last, after the others left with copies
-            plan = [(self._split(c, rows) if i > 0 or untold else c, rows) for i, rows in enumerate(groups.values())]
-            for cls, rows in reversed(plan):
-                args = self._to_ids(method, cls, args_of[rows[0]])
+            plan = [(self._split(c, [rows[i] for i in told]) if j > 0 or untold else c, told)
+                    for j, told in enumerate(groups)]
+            for cls, told in reversed(plan):
+                args = self._to_ids(method, cls, local_args(told[0]))
                 moves = getattr(self.pagers[cls], method)(*args, *common)
                 if moves is not None and len(moves):
-                    parts.append((self.ranks[rows], self.id_row[cls], moves))
+                    parts.append((self.ranks[[rows[i] for i in told]], self.id_row[cls], moves))
         return MovesByRank(parts, self.local, self.row_of)
+
+    def _local_keys(self, method: str, rows: list[int], args: list[tuple]):
+        """(key per GPU: its arguments in local terms as bytes, i -> those arguments)."""
+        if method in EXPERT_LIST_METHODS and self._sorted_rows and rows:
+            fast = self._expert_list_keys(rows, args)
+            if fast is not None:
+                return fast
+        local = [self._to_local(method, row, a) for row, a in zip(rows, args)]
+        keys = [b"|".join(np.ascontiguousarray(a).tobytes() for a in la) for la in local]
+        return keys, local.__getitem__
+
+    def _expert_list_keys(self, rows: list[int], args: list[tuple]):
+        """``_local_keys`` when every GPU is told one list of expert ids (what ``access``
+        gets from 1,440 GPUs 64 times a step), for all GPUs with one ``searchsorted``:
+        row r's ids shifted by r x M (M above every id) into the rows of ``local`` laid
+        end to end, each shifted alike. None when the arguments are not such lists."""
+        ids = []
+        for a in args:
+            if len(a) != 1:
+                return None
+            x = np.asarray(a[0], dtype=np.int64)
+            if x.ndim != 1:
+                return None
+            ids.append(x)
+        lens = np.array([len(x) for x in ids], dtype=np.int64)
+        flat = np.concatenate(ids)
+        if len(flat) and flat.min() < 0:
+            return None
+        shift, table = self._shifted_rows(int(flat.max()) if len(flat) else 0)
+        row_of_id = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+        pos = np.searchsorted(table, flat + row_of_id * shift) - row_of_id * self.local.shape[1]
+        ends = np.cumsum(lens)
+        bounds = list(zip((ends - lens).tolist(), ends.tolist()))
+        blob, size = pos.tobytes(), pos.itemsize
+        keys = [blob[s * size:e * size] for s, e in bounds]  # the bytes of each GPU's positions
+        return keys, lambda i: (pos[bounds[i][0]:bounds[i][1]],)
 
     def call_all(self, method: str, *args) -> None:
         """A call every GPU gets alike (``end_step``): once per pager."""
@@ -156,6 +203,13 @@ class PagerPool:
         self.id_row.append(self.id_row[c])
         self.class_of[rows] = len(self.pagers) - 1
         return len(self.pagers) - 1
+
+    def _shifted_rows(self, largest_id: int) -> tuple[int, np.ndarray]:
+        """(M, the rows of ``local`` end to end, row r shifted by r x M), M > every id."""
+        if self._table is None or largest_id >= self._table[0]:
+            shift = max(int(self.local.max()), largest_id) + 1
+            self._table = shift, (self.local.astype(np.int64) + np.arange(len(self.local))[:, None] * shift).ravel()
+        return self._table
 
     def _to_local(self, method: str, row: int, args: tuple) -> tuple:
         """Expert instance ids -> positions in the GPU's replica list (the class key)."""

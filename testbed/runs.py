@@ -226,7 +226,9 @@ class RunWriter:
             self.continue_from(self._old[-1].step + 1 if self._old else 0)
         self._steps.close()
         summary = dict(summary, complete=complete)
-        write_atomic(self.dir / TRACE_FILE, json.dumps({"traceEvents": trace_events, "displayTimeUnit": "ms"}))
+        # compact separators: the trace is the largest file of a run, read by programs only
+        write_atomic(self.dir / TRACE_FILE, json.dumps({"traceEvents": trace_events, "displayTimeUnit": "ms"},
+                                                       separators=(",", ":")))
         if routing is not None:
             routing.save(self.dir)
         write_atomic(self.dir / SUMMARY_FILE, json.dumps(summary, indent=1))  # last: the run is whole

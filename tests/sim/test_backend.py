@@ -10,6 +10,7 @@ from sim.backend import SimBackend
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
 from testbed.stages import STAGES
+from testbed.workload import SyntheticWorkload
 
 
 def quick(tmp_path, **sections):
@@ -29,6 +30,15 @@ def test_same_scenario_and_seed_give_identical_results(tmp_path):
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     c = [r.to_dict() for r in SimBackend().run(s.replace(workload={"seed": 7})).records]
     assert json.dumps(a, sort_keys=True) != json.dumps(c, sort_keys=True)
+
+
+def test_routing_drawn_ahead_is_the_workload_step_by_step(tmp_path):
+    """The next step's counts are drawn in a thread while a step is simulated: the same
+    counts as drawing them one step after the other."""
+    s = quick(tmp_path)
+    routed = SimBackend().run(s).routing.routed
+    w = SyntheticWorkload(s)
+    assert all(np.array_equal(routed[step], w.routed_counts(step)) for step in range(s.run.steps))
 
 
 def test_stage_times_add_up_to_the_step(tmp_path):

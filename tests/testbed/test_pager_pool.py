@@ -54,3 +54,27 @@ def test_pool_equals_one_pager_per_gpu(history, shared):
             assert pool.pager_of(r).used_slots == alone[r].used_slots
     if shared:
         assert pool.classes == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(lists=st.lists(st.lists(st.integers(0, 70), max_size=5), min_size=4, max_size=4), order=st.permutations(RANKS))
+def test_expert_lists_are_translated_for_all_gpus_at_once_as_one_by_one(lists, order):
+    """The one-searchsorted translation of many GPUs' expert lists (ids they hold or not,
+    empty lists, any length, GPUs in any order) gives each GPU's own translation."""
+    local = np.stack([local_of(r) for r in RANKS])
+    pool = PagerPool(RANKS, local, 40, CFG)
+    rows = [pool.row_of[r] for r in order]
+    args = [(np.array(sorted(set(x)), dtype=np.int64),) for x in lists]
+    keys, local_args = pool._expert_list_keys(rows, args)
+    for i, (row, a) in enumerate(zip(rows, args)):
+        want = pool._to_local("access", row, a)
+        assert keys[i] == b"|".join(np.ascontiguousarray(x).tobytes() for x in want)
+        assert np.array_equal(local_args(i)[0], want[0]) and local_args(i)[0].dtype == want[0].dtype
+
+
+def test_rows_not_in_order_and_other_arguments_take_the_gpu_by_gpu_path():
+    local = np.stack([local_of(r)[::-1] for r in RANKS])  # not ascending: one searchsorted cannot serve
+    assert not PagerPool(RANKS, local, 40, CFG)._sorted_rows
+    pool = PagerPool(RANKS, np.stack([local_of(r) for r in RANKS]), 40, CFG)
+    assert pool._expert_list_keys([0], [(np.array([3]), 7)]) is None
+    assert pool._expert_list_keys([0], [(np.array([[3]]),)]) is None

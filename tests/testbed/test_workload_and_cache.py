@@ -43,6 +43,19 @@ def test_workload_is_seeded():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
+def test_rankings_are_the_stream_of_one_permutation_per_row():
+    """``Generator.permuted`` over rows gives what one ``permutation`` call per row gave, so
+    a seed keeps its counts (a numpy that changed this would fail here first)."""
+    s = Scenario.from_dict({"workload": {"seed": 3}, "model": {"num_experts": 8, "num_layers": 3}})
+    w = SyntheticWorkload(s)
+    rng = np.random.default_rng([3, 0x5EED])
+    ranking = np.stack([rng.permutation(8) for _ in range(3)])
+    pref = np.stack([np.stack([rng.permutation(8) for _ in range(s.world_size)]) for _ in range(3)])
+    assert np.array_equal(w._ranking, ranking) and np.array_equal(w._rank_pref, pref)
+    local_p = w._zipf[pref]
+    assert np.array_equal(w.popularity(0), (1 - w.locality) * w._zipf[ranking][:, None, :] + w.locality * local_p)
+
+
 def test_routing_trace_round_trip_and_fit(tmp_path):
     s = Scenario.from_dict({"run": {"steps": 2, "warmup_steps": 0}})
     routed = np.stack([SyntheticWorkload(s).routed_counts(i) for i in range(2)])
