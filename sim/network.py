@@ -23,8 +23,10 @@ Two modes (``SimConfig.network_model``):
   on them).
 - ``analytic``: a group of flows started together finishes after
   ``max over links(bytes of the group on that link / capacity)`` plus the largest path
-  latency of its flows. Concurrent groups do not interact: each behaves as if alone on
-  the fabric. Much cheaper for very large runs; exact for one group of equal-rate flows.
+  latency of its flows. Groups started on this object do not interact: each behaves as
+  if alone on the fabric (what probes of one op want); exact for one group of equal-rate
+  flows. The step executor's analytic mode (``sim.schedule.run_analytic``) does not use
+  this: it shares links between the ops that run at the same time itself.
 
 Latency: a flow first waits its path latency (sum over its links, seconds), then takes
 bandwidth. ``path_latency=False`` skips that wait for callers (the collective model)
