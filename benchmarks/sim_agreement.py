@@ -24,6 +24,7 @@ in both modes by construction). Goal (issue 11): median <= 5%, worst <= 10%.
     python benchmarks/sim_agreement.py                                # 16, 64, 128, 512 GPUs
     python benchmarks/sim_agreement.py --sizes 16,64                  # a quick look
     python benchmarks/sim_agreement.py --sizes 128 --scenarios strided
+    python benchmarks/sim_agreement.py --seed 7                       # another routing draw
 
 Flow mode runs with ``sim.flow_executor.run_flows`` where that module exists (flow mode
 that reaches 512 GPUs in seconds), else with ``sim.schedule.run_flows`` (minutes at 512).
@@ -73,23 +74,24 @@ COMM_STAGES = ("route", "dispatch", "combine", "combine_backward", "dispatch_bac
 MIN_SHARE = 0.01  # stages below this share of their step are left out of the median and worst
 
 
-def scenario(name: str, gpus: int, mode: str):
+def scenario(name: str, gpus: int, mode: str, seed: int = 0):
     per_node, nodes, mcs, ep = LAYOUTS[name][gpus]
     return load_scenario(None, BASE + SCENARIOS[name] + [
         f"cluster.gpus_per_node={per_node}", f"cluster.nodes_per_microcluster={nodes}",
-        f"cluster.microclusters={mcs}", f"parallelism.ep_size={ep}", f'sim.network_model="{mode}"'])
+        f"cluster.microclusters={mcs}", f"parallelism.ep_size={ep}", f'sim.network_model="{mode}"',
+        f"workload.seed={seed}"])
 
 
-def compare(name: str, gpus: int) -> tuple[list[dict], dict[str, float]]:
+def compare(name: str, gpus: int, seed: int = 0) -> tuple[list[dict], dict[str, float]]:
     """Rows (what, analytic s, flow s, difference) of the measured steps, and the wall
     seconds of each mode's run."""
     records, wall = {}, {}
     for mode in ("analytic", "flow"):
         t0 = time.perf_counter()
-        records[mode] = SimBackend().run(scenario(name, gpus, mode)).records
+        records[mode] = SimBackend().run(scenario(name, gpus, mode, seed)).records
         wall[mode] = time.perf_counter() - t0
     rows = []
-    warmup = scenario(name, gpus, "analytic").run.warmup_steps
+    warmup = scenario(name, gpus, "analytic", seed).run.warmup_steps
     for a, f in list(zip(records["analytic"], records["flow"]))[warmup:]:
         rows.append(row(name, gpus, f"step {a.step}", a.step_time_s, f.step_time_s, True))
         for stage in (s for s in STAGES if s in COMM_STAGES):
@@ -110,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help=f"comma-separated GPU counts, of {', '.join(map(str, SIZES))}")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    ap.add_argument("--seed", type=int, default=0, help="workload.seed: the routing draw (default 0)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     names = args.scenarios.split(",")
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
     counted = []
     for name in names:
         for gpus in sizes:
-            rows, wall = compare(name, gpus)
+            rows, wall = compare(name, gpus, args.seed)
             s = scenario(name, gpus, "analytic")
             print(f"{name:<24} {gpus:>5} {s.world_size // s.parallelism.ep_size} EP groups on "
                   f"{s.cluster.microclusters} leaves; wall s: analytic {wall['analytic']:.1f}, flow {wall['flow']:.1f}")

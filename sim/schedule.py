@@ -29,10 +29,16 @@ any op of an ``ops`` phase passes it at once.
 Contention in analytic mode is exact where the bottleneck model is: a stage that shares
 no link with a stage running at the same time keeps its time alone, and n equal stages
 that start together on one bottleneck link take n times as long. Elsewhere it estimates
-the max-min rates (each flow at least its fair share; other stages' bytes spread evenly
-over their windows): on skewed, oversubscribed clusters of 16-512 GPUs a step and its
-stages come within a few percent of flow mode, up to about 15% where many skewed
-all-to-alls drift apart (``benchmarks/sim_agreement.py``).
+max-min sharing from each stage's bytes, flows and largest flow per link: a link busy
+with the stages it limits carries their bytes before the largest flows finish, however
+their starts are staggered (the EP groups of a phase stay in step), no flow of theirs
+getting more than a stage's largest flow meanwhile; stages limited elsewhere move their
+bytes evenly over their windows. On skewed, oversubscribed clusters of 16-512 GPUs a step
+comes within about 6% of flow mode and its communication stages within about 8%
+(``benchmarks/sim_agreement.py``); other workload seeds of those scenarios reach about
+12% on single stages of the smallest strided ones, mostly where a skewed all-to-all's
+flows are held in turn by a shared uplink and by a GPU's own port, which a per-link
+estimate does not see.
 """
 
 from __future__ import annotations
@@ -82,9 +88,10 @@ def copy_seconds(ph: Phase, h2d_bw: np.ndarray, d2h_bw: np.ndarray, latency_s: f
 
 
 MAX_PASSES = 8  # schedule passes of run_analytic's contention fixed point, at most
-FIRST_STEP = 0.5  # share of the first pass's delays taken: found on windows too short, they overshoot
+FIRST_STEP = 1.0  # share of the first pass's delays taken (LinkLoads.delays' form barely overshoots)
 MIN_STEP = 0.05  # the smallest share of a pass's change of the delays that the next pass takes
-PASS_RTOL = 0.02  # consistent: the delays move by less than this share of all transfer seconds
+PASS_RTOL = 0.005  # consistent: the delays move by less than this share of all transfer seconds
+FAIR_RTOL = 0.02  # a link limits a stage's flows that move at least this close to their fair share there
 
 
 class LinkLoads:
@@ -95,15 +102,17 @@ class LinkLoads:
     fabric (``AnalyticTimer.stage_seconds``): ``fixed[q]`` seconds of latency, then its
     bytes flow for ``transfer[q]`` seconds (bytes / capacity of its most loaded link).
     Its bytes are the *entries* ``ptr[q] : ptr[q + 1]``: ``nbytes[k]`` bytes in
-    ``flows[k]`` flows (``flow_counts``) on edge ``edge[k]`` of ``cap[k]`` bytes/s, and
-    ``flow_bytes[k]``: the bytes of one of the flows that set the stage's pace there, the
-    larger of a mean flow on that edge and a mean flow on the stage's most loaded one.
-    Building it adds every op's bytes to the network's statistics
-    (``AnalyticTimer.record``): contention changes when bytes move, not how many.
+    ``flows[k]`` flows (``flow_counts``) on edge ``edge[k]`` of ``cap[k]`` bytes/s, the
+    largest of them ``largest[k]`` bytes (an all-to-all's flows differ, ``_largest_flows``;
+    every other algorithm's flows on an edge are alike), ``moving0[k]`` and ``fall[k]``
+    how many of them still move over the stage's window (``still_moving``). Building it
+    adds every op's bytes to the network's statistics (``AnalyticTimer.record``):
+    contention changes when bytes move, not how many.
     """
 
     def __init__(self, phases: list[Phase], timer: AnalyticTimer):
         seen: dict[tuple, tuple] = {}  # ops of one shape (not all-to-alls) load the links alike
+        all_to_alls: dict[tuple, list] = {}  # member set -> (stage, op) of its all-to-alls that move bytes
         fixed, alone, stage0, edges, nbytes, messages, direct = [], [], [0], [], [], [], []
         for op in (op for ph in phases if ph.kind == "ops" for op in ph.ops):
             key = None if op.kind == "all_to_all_v" else (op.kind, op.members, op.size)
@@ -121,6 +130,8 @@ class LinkLoads:
                 edges.append(load.edges)
                 nbytes.append(load.nbytes)
                 messages.append(load.messages)
+                if op.kind == "all_to_all_v" and len(load.edges):
+                    all_to_alls.setdefault(op.members, []).append((len(fixed) - 1, op))
             direct += [op.kind == "all_to_all_v"] * len(loads)
             stage0.append(len(fixed))
         Q = len(fixed)
@@ -132,18 +143,21 @@ class LinkLoads:
         self.edge, self.nbytes, self.stage_of = edge[used], nbyte[used], stage_of[used]
         self.ptr = np.concatenate([[0], np.cumsum(np.bincount(self.stage_of, minlength=Q))])
         self.flows = flow_counts(message[used], self.stage_of, self.ptr, np.array(direct, dtype=bool))
+        largest = np.zeros(len(nbyte))  # of the all-to-alls (the others' below)
+        starts = np.concatenate([[0], np.cumsum([len(e) for e in edges])])
+        for members, ops in all_to_alls.items():
+            for (q, _), big in zip(ops, _largest_flows(timer, members, [op for _, op in ops])):
+                largest[starts[q]:starts[q + 1]] = big
+        self.largest = largest[used]
+        alike = ~np.array(direct, dtype=bool)[self.stage_of]  # other algorithms' flows on an edge are alike
+        self.largest[alike] = (self.nbytes / self.flows)[alike]
+        self.moving0, self.fall = still_moving(self.nbytes, self.flows, self.largest)
         self.cap = timer.fabric.capacity[self.edge].clip(min=1e-300)
         bottleneck = self.nbytes / self.cap  # the quotient of AnalyticTimer.stage_seconds
         self.transfer = np.zeros(Q)
-        pace = np.zeros(Q)  # bytes of a mean flow on the stage's most loaded edge
         moving = np.diff(self.ptr) > 0
         if moving.any():
             self.transfer[moving] = np.maximum.reduceat(bottleneck, self.ptr[:-1][moving])
-            top = np.zeros(Q, dtype=np.int64)
-            at_top = bottleneck >= self.transfer[self.stage_of]
-            top[self.stage_of[at_top]] = np.flatnonzero(at_top)
-            pace = self.nbytes[top] / self.flows[top]
-        self.flow_bytes = np.maximum(self.nbytes / self.flows, pace[self.stage_of])
         # entries by link, in stage order on each (numpy sorts 16-bit keys by radix)
         self._key = self.edge.astype(np.uint16 if timer.fabric.num_edges <= 2**16 else np.int64)
         self._by_link = np.argsort(self._key, kind="stable")
@@ -154,22 +168,30 @@ class LinkLoads:
         """[stages] seconds each stage's transfer takes beyond ``transfer`` when every stage
         moves its bytes during ``[begin, begin + length)`` (seconds).
 
-        Alone, a stage moves ``1 / transfer`` of its bytes per second. While it shares a
-        link with other stages (``shared`` seconds of its window), the link lets it move
-        (max-min fairness) the larger of: each of its flows' fair share, ``capacity / all
-        flows on the link`` (of which its pace flows, ``flow_bytes`` bytes each, need
-        their part; never less than ``its flows / all flows`` of its pace alone), and
-        what the other stages leave of the link (their bytes taken as spread evenly over
-        their windows). The share of its bytes it moves in its window is then
+        Alone, a stage moves ``1 / transfer`` of its bytes per second. On a link it shares
+        with other stages for ``shared`` seconds of its window, it moves there the ``rest``
+        of its bytes that its time alone leaves, and the link carries the others' bytes
+        meanwhile. Max-min gives every flow that a link limits the same rate, so the
+        stage's largest flow there is among the last to finish: of the other stages that
+        the link limits (``held``: their largest flow moves at least about its fair share
+        there, capacity / the flows moving), the link carries before it ends what they
+        still had to move when it started (their bytes taken as spread evenly over their
+        windows up to then) and all the bytes of those that start before it ends
+        (``waiting``), however their starts are staggered. Of the stages limited elsewhere
+        it carries their bytes spread evenly over their windows (``spread``). Neither gets
+        more for a flow than the stage's largest flow moves in the same time, ``rest`` of
+        ``largest`` in ``shared`` seconds, while that flow of theirs still moves
+        (``still_moving``: a stage's smaller flows finish first). So it needs
 
-            done = (length - shared) / transfer + min(shared / transfer, got)
+            need = (length - shared) + max(rest * transfer, (rest * nbytes + others) / cap)
 
-        so it needs ``length / done``: exactly ``length`` when the windows are
-        consistent, the fixed point ``run_analytic`` looks for. A stage is as slow as its
-        slowest link. A link it shares at no time costs it nothing (``shared`` is 0
-        exactly): alone, an op keeps its bottleneck time. Cost: O(entries) to find the
-        links shared at some time (most, a GPU's own ports, are used one stage after
-        another), then a sweep in time over the starts and ends of the stages on those.
+        seconds there: exactly ``length`` when the windows are consistent, the fixed point
+        ``run_analytic`` looks for; the form moves little with the stage's own window, so
+        the passes converge. A stage is as slow as its slowest link. A link it shares at no
+        time costs it nothing (``shared`` is 0 exactly): alone, an op keeps its bottleneck
+        time. Cost: O(entries) to find the links shared at some time (most, a GPU's own
+        ports, are used one stage after another), then a sweep in time over the starts and
+        ends of the stages on those.
         """
         Q, N = len(begin), len(self.edge)
         out = np.zeros(Q)
@@ -186,40 +208,111 @@ class LinkLoads:
         shared_link[self.edge[self._by_link[1:][clash]]] = True
         sel = np.flatnonzero(shared_link[self.edge])  # entries on links shared at some time
         M = len(sel)
-        # events: start of entry sel[i] (i) and its end (M + i), by link, in time order
-        when = np.concatenate([begin[self.stage_of[sel]], end[self.stage_of[sel]]])
+        stage = self.stage_of[sel]
+        # events: end of entry sel[i] (i) and its start (M + i), by link, in time order (at
+        # one time, ends first: a stage that starts as another ends never shares with it)
+        when = np.concatenate([end[stage], begin[stage]])
         order = np.argsort(when, kind="stable")
         order = order[np.argsort(self._key[sel[order % M]], kind="stable")]
-        entry, when = sel[order % M], when[order]
-        edge = self.edge[entry]
-        sign = np.where(order < M, 1.0, -1.0)
+        ev, when = order % M, when[order]  # ev: the entry (of sel) of each event
+        edge = self.edge[sel[ev]]
+        starts = order >= M
+        sign = np.where(starts, 1.0, -1.0)
+        at = np.empty(2 * M, dtype=np.int64)  # where each event went
+        at[order] = np.arange(2 * M)
+        pe, pa = at[:M], at[M:]  # each entry's end and start event
         on_link = np.cumsum(sign)  # stages on the link after each event (exact: all that start end)
         gap = np.zeros(2 * M)  # seconds to the next event on the same link
         gap[:-1] = np.where(edge[1:] == edge[:-1], when[1:] - when[:-1], 0.0)
         shared_gap = np.where(on_link > 1.5, gap, 0.0)
-        flows_on = np.cumsum(sign * self.flows[entry])
-        span = np.where(length > 0, length, np.inf)[self.stage_of[sel]]
-        rate = self.nbytes[sel] / span  # bytes/s, spread evenly over the stage's window
         shared = _running(shared_gap)
-        per_flow = _running(np.divide(shared_gap, flows_on, out=np.zeros_like(gap), where=shared_gap > 0))
-        carried = _running(np.cumsum(sign * rate[order % M]) * shared_gap)  # all stages' bytes while shared
-        at = np.empty(2 * M, dtype=np.int64)  # where each event went
-        at[order] = np.arange(2 * M)
-        mine = np.flatnonzero(shared[at[M:]] > shared[at[:M]])  # entries on a link they share
+        mine = np.flatnonzero(shared[pe] > shared[pa])  # entries on a link they share
         if len(mine) == 0:
             return out
-        k, pa, pe = sel[mine], at[mine], at[M + mine]
-        q = self.stage_of[k]
-        t_shared = shared[pe] - shared[pa]
-        window, transfer, cap, nbytes = length[q], self.transfer[q], self.cap[k], self.nbytes[k]
-        fair = (per_flow[pe] - per_flow[pa]) * np.maximum(cap / self.flow_bytes[k], self.flows[k] / transfer)
-        others = np.maximum(carried[pe] - carried[pa] - rate[mine] * t_shared, 0.0)
-        left = (cap * t_shared - others) / nbytes
-        done = (window - t_shared) / transfer + np.minimum(t_shared / transfer, np.maximum(fair, left))
-        need = np.maximum(window / np.maximum(done, 1e-12), nbytes / cap)
-        stages, first = np.unique(q, return_index=True)  # q is sorted: entries lie by stage
+        t_mid = np.zeros(2 * M)  # the middle of the gap to the next event, from the first event
+        t_mid[:-1] = 0.5 * (when[1:] + when[:-1]) - when[0]
+        span = np.where(length > 0, length, np.inf)[stage]
+        nbytes = self.nbytes[sel]
+        rate = nbytes / span  # bytes/s, spread evenly over the window
+        # flows still moving (``still_moving``), as c0 + c1 t, and their integral while
+        # shared, of all stages and (below) of those the link limits
+        c1 = -self.moving0[sel] * self.fall[sel] / span
+        c0 = self.moving0[sel] - c1 * (begin[stage] - when[0])
+        s0, s1 = sign * c0[ev], sign * c1[ev]
+        all_time = _running((np.cumsum(s0) + np.cumsum(s1) * t_mid) * shared_gap)
+        shared_t = _running(shared_gap * t_mid)  # the integral of t while shared
+        # which stages' flows a link limits: those whose largest flow moves at least about
+        # its fair share there, capacity / the flows moving, over their shared time
+        shared_all = shared[pe] - shared[pa]
+        fair = self.cap[sel] * np.divide(shared_all, all_time[pe] - all_time[pa], out=np.zeros(M),
+                                         where=shared_all > 0)
+        held = self.largest[sel] >= (1.0 - FAIR_RTOL) * fair * span
+        held_ev = held[ev]
+        s0[~held_ev] = 0.0
+        s1[~held_ev] = 0.0
+        held_time = _running((np.cumsum(s0) + np.cumsum(s1) * t_mid) * shared_gap)
+        # of the stages it limits: before each event, the bytes of those started (not at its
+        # time: ends come first) and of those moved, spread evenly over their windows
+        # (running sums over all links: the links before add as much to one as to the other);
+        # of the others: their bytes spread evenly over their windows, while shared
+        arrived = _running(np.where(starts & held_ev, nbytes[ev], 0.0))
+        signed_rate = sign * rate[ev]
+        rate_all = np.cumsum(signed_rate)
+        rate_held = np.cumsum(np.where(held_ev, signed_rate, 0.0))
+        moved = _running(rate_held * gap)
+        carried = _running((rate_all - rate_held) * shared_gap)
+
+        i, a, e = sel[mine], pa[mine], pe[mine]
+        q = self.stage_of[i]
+        t_shared = shared_all[mine]
+        window, transfer, cap, largest, own = length[q], self.transfer[q], self.cap[i], self.largest[i], nbytes[mine]
+        rest = np.maximum(1.0 - (window - t_shared) / transfer, 0.0)  # of its bytes, for the shared time
+        mine_held = held[mine]
+        own_flows = c0[mine] * t_shared + c1[mine] * (shared_t[e] - shared_t[a])
+        held_flows = held_time[e] - held_time[a]
+        limited_flows = all_time[e] - all_time[a] - held_flows
+        spread = carried[e] - carried[a]
+        waiting = arrived[e] - moved[a]
+        waiting[mine_held] -= own[mine_held]
+        held_flows[mine_held] -= own_flows[mine_held]
+        limited_flows[~mine_held] -= own_flows[~mine_held]
+        spread[~mine_held] -= rate[mine][~mine_held] * t_shared[~mine_held]
+        per_flow_most = rest * largest / t_shared  # what its largest flow moves per second
+        others = (np.clip(waiting, 0.0, per_flow_most * np.maximum(held_flows, 0.0))
+                  + np.clip(spread, 0.0, per_flow_most * np.maximum(limited_flows, 0.0)))
+        need = np.maximum((window - t_shared) + np.maximum(rest * transfer, (rest * own + others) / cap), own / cap)
+        first = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])  # q is sorted: entries lie by stage
+        stages = q[first]
         out[stages] = np.maximum(np.maximum.reduceat(need, first) - self.transfer[stages], 0.0)
         return out
+
+
+def still_moving(nbytes: np.ndarray, flows: np.ndarray, largest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How many of a stage's flows on a link still move over its window: ``n0 (1 - fall
+    x share of the window gone)`` (``fall`` in [0, 1]), from its ``flows`` flows of
+    ``nbytes`` bytes there, the largest ``largest`` bytes.
+
+    Max-min shares a link equally among the flows it limits, so they progress together
+    and the smaller ones finish first; the largest moves all through the window. On
+    average ``nbytes / largest`` of them move. Flows of sizes spread evenly between
+    ``2 mean - largest`` and ``largest`` (falling from all of them to none, at the same
+    average), or, if the mean is less than half the largest, ``2 nbytes / largest`` flows
+    from 0 to ``largest``. Equal flows (an algorithm's other than the all-to-all) all move
+    the whole window."""
+    mean_count = np.minimum(nbytes / largest, flows)
+    half = mean_count < 0.5 * flows
+    return np.where(half, 2.0 * mean_count, flows), np.where(half, 1.0, 2.0 * (1.0 - mean_count / flows))
+
+
+def _largest_flows(timer: AnalyticTimer, members: tuple[int, ...], ops: list) -> np.ndarray:
+    """[ops, edges] bytes of the largest flow of each all-to-all of ``members`` on each edge
+    its bytes cross: the matrices' entries on the routes the timer cached for the member
+    set (``AnalyticTimer._pattern``, whose unique edges are those of the ops' loads)."""
+    pat = timer._pattern(members)
+    by_edge = np.argsort(pat.entry_edge, kind="stable")
+    firsts = np.flatnonzero(np.r_[True, np.diff(pat.entry_edge[by_edge]) != 0])
+    flows = np.stack([np.asarray(op.matrix, dtype=np.float64)[pat.i, pat.j] for op in ops])
+    return np.maximum.reduceat(np.repeat(flows, pat.hops, axis=1)[:, by_edge], firsts, axis=1)
 
 
 def flow_counts(messages: np.ndarray, stage_of: np.ndarray, ptr: np.ndarray, direct: np.ndarray) -> np.ndarray:

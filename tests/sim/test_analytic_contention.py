@@ -134,6 +134,78 @@ def test_a_ring_gets_its_flows_share_of_a_nic_an_all_to_all_crosses_with_many():
     assert durations(analytic) == pytest.approx(durations(flows), rel=FLOW_TOLERANCE)
 
 
+def skewed(members, nbytes, hot, stage="dispatch"):
+    """An all-to-all of ``nbytes`` per pair, three times that to member ``hot`` and half
+    of it from there."""
+    p = len(members)
+    m = np.full((p, p), float(nbytes))
+    m[:, hot] *= 3.0
+    m[hot, :] *= 0.5
+    np.fill_diagonal(m, 0.0)
+    return CollectiveOp("all_to_all_v", tuple(members), stage, matrix=m)
+
+
+def by_members(timeline) -> list[tuple[float, float]]:
+    """(start, end) of each op, ops in member order (flow mode logs them as they end)."""
+    return [(start, end) for _, start, end in sorted(timeline.ops, key=lambda o: o[0].members)]
+
+
+def taken(timeline) -> list[float]:
+    """Seconds each op takes, ops in member order."""
+    return [end - start for start, end in by_members(timeline)]
+
+
+def test_a_ring_takes_no_more_of_a_link_than_a_skewed_all_to_alls_largest_flow():
+    """Leaf 0's uplink (40 GB/s) carries the all-to-all's four flows of 0.3, 0.1, 0.3 and
+    0.1 GB and a long ring's one flow. Max-min gives the five 8 GB/s; once the small flows
+    are done, the ring's flow and the two large ones share the link, so the ring takes as
+    much as the all-to-all's largest flow (0.3 GB), not its mean (0.2 GB): 1.1 GB in
+    27.5 ms. Flow mode agrees."""
+    cluster = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=1, microclusters=2, leaf_spine_oversubscription=1.0)
+    timer, flow = models(cluster, profile(nic=400.0, spine=10.0))
+    a2a = skewed((0, 1, 4, 5), 0.1 * GB, hot=2)
+    ring = CollectiveOp("all_reduce", (2, 6), "expert_sync", size=int(8 * GB))
+    phases = [Phase("dispatch", 0, "ops", "comm", (), ops=[a2a]), Phase("expert_sync", 0, "ops", "sync", (), ops=[ring])]
+    analytic = run_analytic(phases, 8, timer, 0.0, 0.0)
+    assert transfer(timer, a2a, durations(analytic)[0]) == pytest.approx(1.1 * GB / (40 * GB), rel=1e-6)
+    assert taken(analytic) == pytest.approx(taken(run_flows(phases, 8, flow, 0.0, 0.0)), rel=FLOW_TOLERANCE)
+
+
+def test_an_early_all_to_all_waits_for_one_that_joins_it_on_a_busy_uplink():
+    """Two skewed all-to-alls that cross the spine, the second starting a tenth of its time
+    later: alone, each is held by its hot GPU's NIC; together, the uplinks hold both. The
+    first does not finish a tenth earlier: the uplinks carry the second's bytes before the
+    first's largest flows finish, as in flow mode."""
+    cluster = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=1, microclusters=2, leaf_spine_oversubscription=2.0)
+    timer, flow = models(cluster, profile(nic=40.0, spine=40.0))
+    a, b = skewed((0, 2, 4, 6), 0.1 * GB, hot=0), skewed((1, 3, 5, 7), 0.1 * GB, hot=1)
+    delay = np.zeros(8)
+    delay[[1, 3, 5, 7]] = 0.1 * timer.seconds(a)
+    phases = [Phase("dispatch", 0, "ops", "comm", (), ops=[a]),
+              Phase("experts", 0, "compute", "compute", (), seconds=delay),
+              Phase("dispatch", 0, "ops", "sync", (1,), ops=[b])]
+    analytic = by_members(run_analytic(phases, 8, timer, 0.0, 0.0))
+    flows = by_members(run_flows(phases, 8, flow, 0.0, 0.0))
+    assert [end for _, end in analytic] == pytest.approx([end for _, end in flows], rel=0.05)
+    assert analytic[1][1] - analytic[0][1] < 0.1 * timer.seconds(a)
+
+
+def test_a_ring_held_elsewhere_leaves_an_all_to_all_the_rest_of_a_nic():
+    """GPU 0's NIC (40 GB/s) carries an all-to-all's three flows and a ring's one, which
+    the spine holds to 4 GB/s: max-min gives the all-to-all the other 36 GB/s, not 3/4
+    of the NIC."""
+    cluster = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=2, microclusters=2, leaf_spine_oversubscription=1.0)
+    timer, flow = models(cluster, profile(nic=40.0, spine=0.5))
+    a2a = CollectiveOp("all_to_all_v", (0, 4, 5, 6), "combine_backward",
+                       matrix=np.array([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]) * GB)
+    ring = CollectiveOp("all_reduce", (0, 8), "expert_sync", size=int(1 * GB))
+    phases = [Phase("combine_backward", 0, "ops", "comm", (), ops=[a2a]),
+              Phase("expert_sync", 0, "ops", "sync", (), ops=[ring])]
+    analytic = run_analytic(phases, 16, timer, 0.0, 0.0)
+    assert transfer(timer, a2a, durations(analytic)[0]) == pytest.approx(3 * GB / (36 * GB), rel=0.02)
+    assert taken(analytic) == pytest.approx(taken(run_flows(phases, 16, flow, 0.0, 0.0)), rel=FLOW_TOLERANCE)
+
+
 def test_copies_count_their_bytes_once_however_many_passes():
     """A copy next to contending all-to-alls: the fixed point takes several passes, the
     PCIe statistics count the copy once."""
