@@ -137,6 +137,17 @@ class AnalyticTimer:
             pat = self._patterns[members] = _Pattern(i, j, paths.hops, paths.latency, uniq, inv)
         return pat
 
+    def largest_flows(self, members: tuple[int, ...], ops: list[CollectiveOp]) -> np.ndarray:
+        """[ops, edges] bytes of the largest flow of each all-to-all of ``members`` on each
+        edge its bytes cross, the edges in the order of its ``StageLoad.edges`` (what an
+        executor sharing links between ops needs: max-min lets a stage's largest flow on a
+        link finish last)."""
+        pat = self._pattern(members)
+        by_edge = np.argsort(pat.entry_edge, kind="stable")
+        firsts = np.flatnonzero(np.r_[True, np.diff(pat.entry_edge[by_edge]) != 0])
+        flows = np.stack([np.asarray(op.matrix, dtype=np.float64)[pat.i, pat.j] for op in ops])
+        return np.maximum.reduceat(np.repeat(flows, pat.hops, axis=1)[:, by_edge], firsts, axis=1)
+
     def _all_to_all(self, atom: Atom) -> StageLoad:
         """The one stage of a direct all-to-all: the flows of ``CollectiveModel.atom_flows``
         (the matrix's non-zero off-diagonal entries) on cached routes."""

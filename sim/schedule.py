@@ -103,7 +103,7 @@ class LinkLoads:
     bytes flow for ``transfer[q]`` seconds (bytes / capacity of its most loaded link).
     Its bytes are the *entries* ``ptr[q] : ptr[q + 1]``: ``nbytes[k]`` bytes in
     ``flows[k]`` flows (``flow_counts``) on edge ``edge[k]`` of ``cap[k]`` bytes/s, the
-    largest of them ``largest[k]`` bytes (an all-to-all's flows differ, ``_largest_flows``;
+    largest of them ``largest[k]`` bytes (an all-to-all's flows differ, ``AnalyticTimer.largest_flows``;
     every other algorithm's flows on an edge are alike), ``moving0[k]`` and ``fall[k]``
     how many of them still move over the stage's window (``still_moving``). Building it
     adds every op's bytes to the network's statistics (``AnalyticTimer.record``):
@@ -146,7 +146,7 @@ class LinkLoads:
         largest = np.zeros(len(nbyte))  # of the all-to-alls (the others' below)
         starts = np.concatenate([[0], np.cumsum([len(e) for e in edges])])
         for members, ops in all_to_alls.items():
-            for (q, _), big in zip(ops, _largest_flows(timer, members, [op for _, op in ops])):
+            for (q, _), big in zip(ops, timer.largest_flows(members, [op for _, op in ops])):
                 largest[starts[q]:starts[q + 1]] = big
         self.largest = largest[used]
         alike = ~np.array(direct, dtype=bool)[self.stage_of]  # other algorithms' flows on an edge are alike
@@ -302,17 +302,6 @@ def still_moving(nbytes: np.ndarray, flows: np.ndarray, largest: np.ndarray) -> 
     mean_count = np.minimum(nbytes / largest, flows)
     half = mean_count < 0.5 * flows
     return np.where(half, 2.0 * mean_count, flows), np.where(half, 1.0, 2.0 * (1.0 - mean_count / flows))
-
-
-def _largest_flows(timer: AnalyticTimer, members: tuple[int, ...], ops: list) -> np.ndarray:
-    """[ops, edges] bytes of the largest flow of each all-to-all of ``members`` on each edge
-    its bytes cross: the matrices' entries on the routes the timer cached for the member
-    set (``AnalyticTimer._pattern``, whose unique edges are those of the ops' loads)."""
-    pat = timer._pattern(members)
-    by_edge = np.argsort(pat.entry_edge, kind="stable")
-    firsts = np.flatnonzero(np.r_[True, np.diff(pat.entry_edge[by_edge]) != 0])
-    flows = np.stack([np.asarray(op.matrix, dtype=np.float64)[pat.i, pat.j] for op in ops])
-    return np.maximum.reduceat(np.repeat(flows, pat.hops, axis=1)[:, by_edge], firsts, axis=1)
 
 
 def flow_counts(messages: np.ndarray, stage_of: np.ndarray, ptr: np.ndarray, direct: np.ndarray) -> np.ndarray:
