@@ -45,6 +45,8 @@ class _Pattern(NamedTuple):
     latency: np.ndarray  # path latency per flow (s)
     edges: np.ndarray  # unique edges the flows cross
     entry_edge: np.ndarray  # position in ``edges`` of each (flow, hop) entry, flows in order
+    by_edge: np.ndarray  # the entries in edge order (stable: flows in order on each)
+    firsts: np.ndarray  # where each edge's entries start in that order
 
 
 _NONE = np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
@@ -71,7 +73,7 @@ class AnalyticTimer:
             self._patterns.clear()
             self._version = self.fabric.routing_version
         if op.kind == "all_to_all_v":
-            return [self._all_to_all(Atom(op.kind, op.members, 0, op.matrix))]
+            return [self.all_to_all_loads(op.members, [op])[0][0]]
         algorithm = "direct" if op.kind == "p2p" else self.model.algorithm_for(op)
         key = (op.kind, algorithm, op.members)
         unit = self._stages.get(key)
@@ -134,32 +136,44 @@ class AnalyticTimer:
             src, dst = m[i], m[j]
             paths = self.fabric.paths(src, dst, nic_of_src=self.model.pxn_nics(src, dst))
             uniq, inv = np.unique(paths.edges, return_inverse=True)
-            pat = self._patterns[members] = _Pattern(i, j, paths.hops, paths.latency, uniq, inv)
+            by_edge = np.argsort(inv, kind="stable")
+            firsts = np.flatnonzero(np.r_[True, np.diff(inv[by_edge]) != 0])
+            pat = self._patterns[members] = _Pattern(i, j, paths.hops, paths.latency, uniq, inv, by_edge, firsts)
         return pat
 
-    def largest_flows(self, members: tuple[int, ...], ops: list[CollectiveOp]) -> np.ndarray:
-        """[ops, edges] bytes of the largest flow of each all-to-all of ``members`` on each
-        edge its bytes cross, the edges in the order of its ``StageLoad.edges`` (what an
-        executor sharing links between ops needs: max-min lets a stage's largest flow on a
-        link finish last)."""
+    def all_to_all_loads(self, members: tuple[int, ...], ops: list[CollectiveOp]
+                         ) -> tuple[list[StageLoad], list[np.ndarray]]:
+        """The one stage of each direct all-to-all of ``members`` in ``ops``: the flows of
+        ``CollectiveModel.atom_flows`` (the matrix's non-zero off-diagonal entries) on the
+        member set's cached routes, all ops at once; and per op the bytes of its largest
+        flow on each edge of its ``StageLoad.edges`` (what an executor sharing links
+        between ops needs: max-min lets a stage's largest flow on a link finish last).
+        Pure: adds no statistics."""
+        if len(members) < 2:
+            return [StageLoad(0.0, *_NONE) for _ in ops], [np.zeros(0) for _ in ops]
         pat = self._pattern(members)
-        by_edge = np.argsort(pat.entry_edge, kind="stable")
-        firsts = np.flatnonzero(np.r_[True, np.diff(pat.entry_edge[by_edge]) != 0])
-        flows = np.stack([np.asarray(op.matrix, dtype=np.float64)[pat.i, pat.j] for op in ops])
-        return np.maximum.reduceat(np.repeat(flows, pat.hops, axis=1)[:, by_edge], firsts, axis=1)
+        matrices = np.stack([np.asarray(op.matrix, dtype=np.float64) for op in ops])  # [ops, p, p]
+        flows = matrices[:, pat.i, pat.j]  # [ops, flows] bytes
+        used = flows > 0
+        # [(flow, hop) entries by edge, ops]: each edge's entries are consecutive rows
+        entries = np.repeat(flows.T, pat.hops, axis=0)[pat.by_edge]
+        load = np.add.reduceat(entries, pat.firsts, axis=0).T.copy()  # [ops, edges]
+        largest = np.maximum.reduceat(entries, pat.firsts, axis=0).T.copy()
+        sent = np.repeat(used.T.astype(np.float64), pat.hops, axis=0)[pat.by_edge]
+        messages = np.add.reduceat(sent, pat.firsts, axis=0).T.copy()
+        hop_s = np.where(used, pat.latency, -np.inf).max(axis=1)  # the slowest path of its messages
+        nz = matrices != 0  # the most peer messages of a member: those it sends and receives
+        diagonal = np.arange(len(members))
+        nz[:, diagonal, diagonal] = False
+        peers = (nz.sum(axis=2) + nz.sum(axis=1)).max(axis=1)
+        out, big = [], []
+        for k, op in enumerate(ops):
+            if not used[k].any():  # the call costs its latency, moves nothing
+                out.append(StageLoad(self.model.call_latency, *_NONE))
+                big.append(np.zeros(0))
+                continue
+            fixed = self.model.all_to_all_fixed(Atom(op.kind, members, 0, op.matrix), float(hop_s[k]), int(peers[k]))
+            out.append(StageLoad(fixed, pat.edges, load[k], messages[k]))
+            big.append(largest[k])
+        return out, big
 
-    def _all_to_all(self, atom: Atom) -> StageLoad:
-        """The one stage of a direct all-to-all: the flows of ``CollectiveModel.atom_flows``
-        (the matrix's non-zero off-diagonal entries) on cached routes."""
-        if len(atom.members) < 2:
-            return StageLoad(0.0, *_NONE)
-        pat = self._pattern(atom.members)
-        nbytes = np.asarray(atom.matrix, dtype=np.float64)[pat.i, pat.j]
-        used = nbytes > 0
-        if not used.any():
-            return StageLoad(self.model.call_latency, *_NONE)  # the call costs its latency, moves nothing
-        fixed = self.model.all_to_all_fixed(atom, float(pat.latency[used].max()))
-        n = len(pat.edges)
-        load = np.bincount(pat.entry_edge, weights=np.repeat(nbytes, pat.hops), minlength=n)
-        messages = np.bincount(pat.entry_edge, weights=np.repeat(used.astype(np.float64), pat.hops), minlength=n)
-        return StageLoad(fixed, pat.edges, load, messages)

@@ -40,7 +40,7 @@ from sim.faults import Faults
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
 from sim.flow_executor import run_flows
-from sim.schedule import run_analytic
+from sim.schedule import WarmStart, run_analytic
 from sim.software_latency import stage_host_seconds
 from sim.step_report import figures, trace_events
 
@@ -79,6 +79,7 @@ class ClusterSim:
         self.network = Network(self.env, self.fabric, self.mode)
         self.collectives = CollectiveModel(self.network, profile, s.world_size)
         self.timer = AnalyticTimer(self.collectives)
+        self.warm = WarmStart()  # the contention fixed point of one step starts from the last
         cores = int(profile.compute.host_cores)
         #: CPU cores shared by the ranks (flow model only; analytic mode scales compute instead)
         self.cores = CorePool(self.env, cores) if cores > 0 and self.mode == "flow" else None
@@ -133,7 +134,7 @@ class ClusterSim:
         phases = self.builder.build(decisions)
         world = self.layout.world
         if self.mode == "analytic":
-            tl = run_analytic(phases, world, self.timer, self.clock, self.copy_latency)
+            tl = run_analytic(phases, world, self.timer, self.clock, self.copy_latency, self.warm)
         else:
             tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency, self.cores)
         fig = figures(phases, tl, base, self.s.model.num_layers, shown=TRACE_RANKS)

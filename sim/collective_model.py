@@ -348,15 +348,18 @@ class CollectiveModel:
         hop = float(self.fabric.paths(src, dst, nic_of_src=nic).latency.max())  # all messages in flight at once
         return Flows(src, dst, nbytes, self.all_to_all_fixed(atom, hop), 1, nic)
 
-    def all_to_all_fixed(self, atom: Atom, hop_s: float) -> float:
+    def all_to_all_fixed(self, atom: Atom, hop_s: float, peers: int | None = None) -> float:
         """Seconds before an all-to-all's bytes flow: one call, its software steps, the
         largest path latency ``hop_s`` of its messages, and the per-peer cost of the member
-        with the most peer messages (those it sends plus those it receives)."""
+        with the most peer messages (those it sends plus those it receives; ``peers`` when
+        the caller counted them)."""
         fixed = self.call_latency + self.software_steps(atom) * self.step_latency + hop_s
         if self.peer_latency > 0:
-            nz = np.asarray(atom.matrix) != 0
-            np.fill_diagonal(nz, False)
-            fixed += self.peer_latency * int((nz.sum(axis=1) + nz.sum(axis=0)).max())
+            if peers is None:
+                nz = np.asarray(atom.matrix) != 0
+                np.fill_diagonal(nz, False)
+                peers = int((nz.sum(axis=1) + nz.sum(axis=0)).max())
+            fixed += self.peer_latency * peers
         return fixed
 
     def pxn_nics(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray | None:

@@ -91,6 +91,7 @@ MAX_PASSES = 8  # schedule passes of run_analytic's contention fixed point, at m
 FIRST_STEP = 1.0  # share of the first pass's delays taken (LinkLoads.delays' form barely overshoots)
 MIN_STEP = 0.05  # the smallest share of a pass's change of the delays that the next pass takes
 PASS_RTOL = 0.005  # consistent: the delays move by less than this share of all transfer seconds
+SWEEP_CHUNK = 2**15  # entries per chunk of LinkLoads.delays' sweep (whole links: a chunk may be longer)
 FAIR_RTOL = 0.02  # a link limits a stage's flows that move at least this close to their fair share there
 
 
@@ -103,7 +104,7 @@ class LinkLoads:
     bytes flow for ``transfer[q]`` seconds (bytes / capacity of its most loaded link).
     Its bytes are the *entries* ``ptr[q] : ptr[q + 1]``: ``nbytes[k]`` bytes in
     ``flows[k]`` flows (``flow_counts``) on edge ``edge[k]`` of ``cap[k]`` bytes/s, the
-    largest of them ``largest[k]`` bytes (an all-to-all's flows differ, ``AnalyticTimer.largest_flows``;
+    largest of them ``largest[k]`` bytes (an all-to-all's flows differ, ``AnalyticTimer.all_to_all_loads``;
     every other algorithm's flows on an edge are alike), ``moving0[k]`` and ``fall[k]``
     how many of them still move over the stage's window (``still_moving``). Building it
     adds every op's bytes to the network's statistics (``AnalyticTimer.record``):
@@ -111,18 +112,31 @@ class LinkLoads:
     """
 
     def __init__(self, phases: list[Phase], timer: AnalyticTimer):
+        ops = [op for ph in phases if ph.kind == "ops" for op in ph.ops]
+        by_members: dict[tuple, list] = {}  # the all-to-alls of each member set, timed together
+        for op in ops:
+            if op.kind == "all_to_all_v":
+                by_members.setdefault(op.members, []).append(op)
+        direct_loads: dict[int, tuple] = {}  # id(op) -> (its stage, its largest flow per edge)
+        for members, group in by_members.items():
+            for op, load, big in zip(group, *timer.all_to_all_loads(members, group)):
+                direct_loads[id(op)] = (load, big)
         seen: dict[tuple, tuple] = {}  # ops of one shape (not all-to-alls) load the links alike
-        all_to_alls: dict[tuple, list] = {}  # member set -> (stage, op) of its all-to-alls that move bytes
-        fixed, alone, stage0, edges, nbytes, messages, direct = [], [], [0], [], [], [], []
-        for op in (op for ph in phases if ph.kind == "ops" for op in ph.ops):
-            key = None if op.kind == "all_to_all_v" else (op.kind, op.members, op.size)
-            got = seen.get(key) if key else None
-            if got is None:
-                loads = timer.stage_loads(op)
-                got = (loads, [timer.stage_seconds(load) for load in loads])
-                if key:
-                    seen[key] = got
-            loads, seconds = got
+        fixed, alone, stage0, edges, nbytes, messages, direct, biggest, sig = [], [], [0], [], [], [], [], [], []
+        for op in ops:
+            is_direct = op.kind == "all_to_all_v"
+            if is_direct:
+                load, big = direct_loads[id(op)]
+                loads, seconds = [load], [timer.stage_seconds(load)]
+                biggest.append(big)
+            else:
+                key = (op.kind, op.members, op.size)
+                got = seen.get(key)
+                if got is None:
+                    loads = timer.stage_loads(op)
+                    got = seen[key] = (loads, [timer.stage_seconds(load) for load in loads])
+                loads, seconds = got
+                biggest += [np.zeros(len(load.edges)) for load in loads]  # set below: flows alike
             timer.record(loads)
             for load, sec in zip(loads, seconds):
                 fixed.append(load.fixed_s)
@@ -130,11 +144,11 @@ class LinkLoads:
                 edges.append(load.edges)
                 nbytes.append(load.nbytes)
                 messages.append(load.messages)
-                if op.kind == "all_to_all_v" and len(load.edges):
-                    all_to_alls.setdefault(op.members, []).append((len(fixed) - 1, op))
-            direct += [op.kind == "all_to_all_v"] * len(loads)
+            direct += [is_direct] * len(loads)
+            sig.append((op.kind, op.members, len(loads)))
             stage0.append(len(fixed))
         Q = len(fixed)
+        self.signature = tuple(sig)  # the ops' kinds, members and stage counts, in order
         self.fixed, self.alone = np.array(fixed, dtype=float), np.array(alone, dtype=float)
         self.stage0 = np.array(stage0)
         edge, nbyte, message = _concat(edges, np.int64), _concat(nbytes, float), _concat(messages, float)
@@ -143,12 +157,7 @@ class LinkLoads:
         self.edge, self.nbytes, self.stage_of = edge[used], nbyte[used], stage_of[used]
         self.ptr = np.concatenate([[0], np.cumsum(np.bincount(self.stage_of, minlength=Q))])
         self.flows = flow_counts(message[used], self.stage_of, self.ptr, np.array(direct, dtype=bool))
-        largest = np.zeros(len(nbyte))  # of the all-to-alls (the others' below)
-        starts = np.concatenate([[0], np.cumsum([len(e) for e in edges])])
-        for members, ops in all_to_alls.items():
-            for (q, _), big in zip(ops, timer.largest_flows(members, [op for _, op in ops])):
-                largest[starts[q]:starts[q + 1]] = big
-        self.largest = largest[used]
+        self.largest = _concat(biggest, float)[used]
         alike = ~np.array(direct, dtype=bool)[self.stage_of]  # other algorithms' flows on an edge are alike
         self.largest[alike] = (self.nbytes / self.flows)[alike]
         self.moving0, self.fall = still_moving(self.nbytes, self.flows, self.largest)
@@ -158,11 +167,17 @@ class LinkLoads:
         moving = np.diff(self.ptr) > 0
         if moving.any():
             self.transfer[moving] = np.maximum.reduceat(bottleneck, self.ptr[:-1][moving])
-        # entries by link, in stage order on each (numpy sorts 16-bit keys by radix)
-        self._key = self.edge.astype(np.uint16 if timer.fabric.num_edges <= 2**16 else np.int64)
-        self._by_link = np.argsort(self._key, kind="stable")
-        linked = self.edge[self._by_link]
-        self._next_same_link = linked[1:] == linked[:-1]
+        # From here on the entries lie by link, in stage order on each: the sweep in
+        # ``delays`` then gathers within one link's entries (near in memory, not across
+        # the whole array). numpy sorts 16-bit keys by radix.
+        key = self.edge.astype(np.uint16 if timer.fabric.num_edges <= 2**16 else np.int64)
+        by_link = np.argsort(key, kind="stable")
+        for name in ("edge", "nbytes", "stage_of", "flows", "largest", "moving0", "fall", "cap"):
+            setattr(self, name, getattr(self, name)[by_link])
+        self._next_same_link = self.edge[1:] == self.edge[:-1]
+        # a stage has one entry per link (stage_loads sums an op's bytes per edge), so an
+        # event's link and its stage's place in time order sort it without ties
+        self._one_per_link = not (self._next_same_link & (self.stage_of[1:] == self.stage_of[:-1])).any()
 
     def delays(self, begin: np.ndarray, length: np.ndarray) -> np.ndarray:
         """[stages] seconds each stage's transfer takes beyond ``transfer`` when every stage
@@ -200,23 +215,45 @@ class LinkLoads:
         end = begin + length
         # a link whose stages, in stage order, each start once the one before has ended
         # is shared at no time
-        by = self.stage_of[self._by_link]
+        by = self.stage_of
         clash = self._next_same_link & (begin[by[1:]] < end[by[:-1]])
         if not clash.any():
             return out
         shared_link = np.zeros(int(self.edge.max()) + 1, dtype=bool)
-        shared_link[self.edge[self._by_link[1:][clash]]] = True
-        sel = np.flatnonzero(shared_link[self.edge])  # entries on links shared at some time
-        M = len(sel)
+        shared_link[self.edge[1:][clash]] = True
+        sel = np.flatnonzero(shared_link[self.edge])  # entries on links shared at some time (by link)
+        # the stages' 2Q ends and starts in time order (at one time, ends first: a stage
+        # that starts as another ends never shares with it; then in stage order)
+        rank = np.empty(2 * Q, dtype=np.int64)
+        rank[np.argsort(np.concatenate([end, begin]), kind="stable")] = np.arange(2 * Q)
+        slowest = np.full(Q, -np.inf)  # each stage's need on its slowest shared link
+        # links are independent: sweep them in chunks of whole links, whose temporaries
+        # stay in the CPU's caches (and in the heap: no fresh pages per pass)
+        new_link = np.flatnonzero(np.r_[True, self.edge[sel][1:] != self.edge[sel][:-1]])
+        at = np.searchsorted(new_link, np.arange(0, len(sel), SWEEP_CHUNK))  # the first link from there
+        cuts = np.unique(new_link[at[at < len(new_link)]])
+        for lo, hi in zip(cuts, np.r_[cuts[1:], len(sel)]):
+            self._sweep(sel[lo:hi], begin, end, length, rank, slowest)
+        stages = np.flatnonzero(slowest > -np.inf)
+        out[stages] = np.maximum(slowest[stages] - self.transfer[stages], 0.0)
+        return out
+
+    def _sweep(self, sel: np.ndarray, begin: np.ndarray, end: np.ndarray, length: np.ndarray,
+               rank: np.ndarray, slowest: np.ndarray) -> None:
+        """``delays``' sweep over the entries ``sel`` (whole links, by link): raises
+        ``slowest[q]`` to stage ``q``'s ``need`` on each of these links it shares."""
+        Q, M = len(begin), len(sel)
         stage = self.stage_of[sel]
-        # events: end of entry sel[i] (i) and its start (M + i), by link, in time order (at
-        # one time, ends first: a stage that starts as another ends never shares with it)
-        when = np.concatenate([end[stage], begin[stage]])
-        order = np.argsort(when, kind="stable")
-        order = order[np.argsort(self._key[sel[order % M]], kind="stable")]
-        ev, when = order % M, when[order]  # ev: the entry (of sel) of each event
-        edge = self.edge[sel[ev]]
+        edge_sel = self.edge[sel]
+        # events: end of entry sel[i] (i) and its start (M + i), by link, in time order: an
+        # event sorts by (its link's place, its stage event's rank)
+        link_no = np.cumsum(np.r_[0, edge_sel[1:] != edge_sel[:-1]])  # the link's place among sel's
+        event_key = np.concatenate([link_no * (2 * Q) + rank[stage], link_no * (2 * Q) + rank[Q + stage]])
+        order = np.argsort(event_key, kind="quicksort" if self._one_per_link else "stable")
         starts = order >= M
+        ev = order - np.where(starts, M, 0)  # ev: the entry (of sel) of each event
+        when = np.where(starts, begin[stage[ev]], end[stage[ev]])
+        edge = edge_sel[ev]
         sign = np.where(starts, 1.0, -1.0)
         at = np.empty(2 * M, dtype=np.int64)  # where each event went
         at[order] = np.arange(2 * M)
@@ -226,9 +263,10 @@ class LinkLoads:
         gap[:-1] = np.where(edge[1:] == edge[:-1], when[1:] - when[:-1], 0.0)
         shared_gap = np.where(on_link > 1.5, gap, 0.0)
         shared = _running(shared_gap)
+        shared = _running(shared_gap)
         mine = np.flatnonzero(shared[pe] > shared[pa])  # entries on a link they share
         if len(mine) == 0:
-            return out
+            return
         t_mid = np.zeros(2 * M)  # the middle of the gap to the next event, from the first event
         t_mid[:-1] = 0.5 * (when[1:] + when[:-1]) - when[0]
         span = np.where(length > 0, length, np.inf)[stage]
@@ -281,10 +319,7 @@ class LinkLoads:
         others = (np.clip(waiting, 0.0, per_flow_most * np.maximum(held_flows, 0.0))
                   + np.clip(spread, 0.0, per_flow_most * np.maximum(limited_flows, 0.0)))
         need = np.maximum((window - t_shared) + np.maximum(rest * transfer, (rest * own + others) / cap), own / cap)
-        first = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])  # q is sorted: entries lie by stage
-        stages = q[first]
-        out[stages] = np.maximum(np.maximum.reduceat(need, first) - self.transfer[stages], 0.0)
-        return out
+        np.maximum.at(slowest, q, need)
 
 
 def still_moving(nbytes: np.ndarray, flows: np.ndarray, largest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -332,10 +367,11 @@ def _running(y: np.ndarray) -> np.ndarray:
 
 
 def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: float,
-                 copy_latency_s: float) -> Timeline:
+                 copy_latency_s: float, warm: WarmStart | None = None) -> Timeline:
     """The max-plus schedule of ``phases``, collectives sharing links (module doc).
 
-    Pass 0 times every stage of every op alone (``AnalyticTimer.stage_seconds``). Each
+    Pass 0 times every stage of every op alone (``AnalyticTimer.stage_seconds``), or
+    with the delays of the step before when ``warm`` holds them for the same ops. Each
     pass after it delays every stage for the links it shared in the pass before with the
     stages that overlapped it (``LinkLoads.delays``) and schedules again. The delays move
     towards that estimate by a share found by Aitken's relaxation (the step that would
@@ -360,6 +396,8 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
             fixed_s.append(ph.seconds if ph.kind in ("compute", "wait") else None)
     fitted = np.array([fitted_seconds(ph, timer.model, world) for ph in phases]).reshape(len(phases), world)
     extra = np.zeros(len(loads.fixed))  # seconds each stage's transfer waits for others
+    if warm is not None:
+        extra = warm.start(loads, extra)
     step, last, best = FIRST_STEP, None, (np.inf, None)
     for _ in range(MAX_PASSES):
         tl, begin = _schedule(phases, world, t0, fixed_s, fitted, loads, extra)
@@ -367,7 +405,7 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
         moved = loads.delays(begin, length) - extra
         off = np.abs(moved).sum() / max(length.sum(), 1e-300)  # how far the pass is from consistent
         if best[1] is None or off < best[0]:
-            best = (off, tl)
+            best = (off, tl, extra)
         if off <= PASS_RTOL:
             break
         if last is not None:  # the delays swing (short windows overlap more): damp by Aitken's step
@@ -377,7 +415,26 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
                 step = min(max(-step * float(last @ change) / norm, MIN_STEP), 1.0)
         extra = np.maximum(extra + step * moved, 0.0)
         last = moved
+    if warm is not None:
+        warm.keep(loads, best[2])
     return best[1]
+
+
+class WarmStart:
+    """The delays of the last step's most consistent pass, the first guess of the next
+    step's fixed point when its stages are the same ops (kinds, members, stage counts) in
+    the same order (``LinkLoads.signature``): a step like the one before then takes one
+    pass, to check, instead of two. Same scenario and seed: the same steps, the same
+    guesses, the same results."""
+
+    def __init__(self):
+        self._signature, self._extra = None, None
+
+    def start(self, loads: LinkLoads, cold: np.ndarray) -> np.ndarray:
+        return self._extra.copy() if self._signature == loads.signature else cold
+
+    def keep(self, loads: LinkLoads, extra: np.ndarray) -> None:
+        self._signature, self._extra = loads.signature, extra
 
 
 def _schedule(phases, world, t0, fixed_s, fitted, loads: LinkLoads, extra: np.ndarray):

@@ -250,3 +250,76 @@ def test_sync_overlapping_the_backward_slows_both_as_in_flow_mode(tmp_path, monk
     assert alone["stage_time_s"]["expert_sync"] < 0.5 * flow["stage_time_s"]["expert_sync"]
     assert shared["stage_time_s"]["combine_backward"] > 1.05 * alone["stage_time_s"]["combine_backward"]
     assert shared["bytes_by_stage"] == alone["bytes_by_stage"] == flow["bytes_by_stage"]
+
+
+def contending_phases(spread=1.0):
+    """Skewed all-to-alls of two groups on the spine, then one of both groups after."""
+    return [Phase("dispatch", 0, "ops", "comm", (), ops=[skewed((0, 2), 1 * GB, 0), skewed((1, 3), spread * GB, 1)]),
+            Phase("combine", 0, "ops", "comm", (0,), ops=[all_to_all((0, 1, 2, 3), 0.5 * GB)])]
+
+
+def test_a_step_like_the_last_starts_from_its_delays_and_takes_one_pass(monkeypatch):
+    """With a WarmStart, a step of the same ops starts from the last step's delays: the
+    fixed point holds at once, so one pass checks it (cold: two or more), and the
+    timeline is the cold one's within the fixed point's tolerance. Different ops start
+    cold."""
+    cluster, prof = two_leaves(), profile()
+    calls = []
+    delays = sim.schedule.LinkLoads.delays
+    monkeypatch.setattr(sim.schedule.LinkLoads, "delays", lambda self, b, n: calls.append(1) or delays(self, b, n))
+    cold_timer, _ = models(cluster, prof)
+    cold = run_analytic(contending_phases(), 4, cold_timer, 0.0, 0.0)
+    cold_passes = len(calls)
+    assert cold_passes >= 2
+    warm, timer = sim.schedule.WarmStart(), models(cluster, prof)[0]
+    run_analytic(contending_phases(), 4, timer, 0.0, 0.0, warm)
+    calls.clear()
+    again = run_analytic(contending_phases(), 4, timer, 0.0, 0.0, warm)
+    assert len(calls) == 1
+    assert durations(again) == pytest.approx(durations(cold), rel=2 * sim.schedule.PASS_RTOL)
+    calls.clear()
+    other = [Phase("dispatch", 0, "ops", "comm", (), ops=[skewed((0, 2), 1 * GB, 0)])]
+    run_analytic(other, 4, timer, 0.0, 0.0, warm)
+    assert warm.start(sim.schedule.LinkLoads(other, timer), np.zeros(1)).tolist() == [0.0]
+
+
+def test_the_sweep_in_chunks_of_links_gives_the_sweep_in_one(monkeypatch):
+    """Links are independent: sweeping them a link or two at a time gives the delays of
+    one sweep over all (to rounding: the running sums start at each chunk)."""
+    cluster = ClusterConfig(gpus_per_node=2, nodes_per_microcluster=2, microclusters=2, leaf_spine_oversubscription=4.0)
+    timer, _ = models(cluster, profile())
+    phases = [Phase("dispatch", 0, "ops", "comm", (), ops=[skewed((0, 2, 4, 6), 1 * GB, 0), skewed((1, 3, 5, 7), 0.7 * GB, 2),
+                                                           all_to_all((0, 1, 4, 5), 0.3 * GB)])]
+    loads = sim.schedule.LinkLoads(phases, timer)
+    begin = np.array([0.0, 0.01, 0.02])
+    length = np.maximum(loads.alone - loads.fixed, 0.0)
+    monkeypatch.setattr(sim.schedule, "SWEEP_CHUNK", 10**9)
+    whole = loads.delays(begin, length)
+    monkeypatch.setattr(sim.schedule, "SWEEP_CHUNK", 1)
+    chunked = loads.delays(begin, length)
+    assert whole.max() > 0.01  # they contend
+    assert chunked == pytest.approx(whole, rel=1e-9, abs=1e-15)
+
+
+def test_all_to_alls_of_one_member_set_load_the_links_as_each_alone():
+    """AnalyticTimer.all_to_all_loads times a member set's all-to-alls together: each
+    stage's latency, bytes and messages per edge are those of the op timed alone, and
+    the largest flow on an edge is the largest matrix entry routed over it."""
+    cluster = ClusterConfig(gpus_per_node=2, nodes_per_microcluster=1, microclusters=2)
+    timer, _ = models(cluster, profile())
+    members = (0, 1, 2, 3)
+    ops = [skewed(members, 1 * GB, 2), all_to_all(members, 0.25 * GB),
+           CollectiveOp("all_to_all_v", members, "dispatch", matrix=np.zeros((4, 4)))]
+    loads, largest = timer.all_to_all_loads(members, ops)
+    for op, load, big in zip(ops, loads, largest):
+        (alone,) = timer.stage_loads(op)
+        assert load.fixed_s == pytest.approx(alone.fixed_s, rel=1e-12)
+        assert load.edges.tolist() == alone.edges.tolist()
+        assert load.nbytes == pytest.approx(alone.nbytes, rel=1e-12)
+        assert load.messages.tolist() == alone.messages.tolist()
+        assert len(big) == len(load.edges)
+    m = ops[0].matrix  # GPU 0 sends 1 GB to GPU 1 (its node: NVLink), 3 GB to 2, 1 GB to 3
+    uplink = list(loads[0].edges).index(timer.fabric.paths(np.array([0]), np.array([2])).edges[0])
+    assert loads[0].nbytes[uplink] == m[0, 2] + m[0, 3] == 4 * GB  # GPU 0's way out of its node
+    assert largest[0][uplink] == m[0, 2] == 3 * GB
+    assert len(loads[2].edges) == 0 and loads[2].fixed_s == timer.model.call_latency
