@@ -119,8 +119,10 @@ class RankRunner:
                 routed.append(plan.routed[st.rank])
                 kept.append(plan.kept[st.rank])
         routed, kept = np.stack(routed), np.stack(kept)  # [L, E]
-        if self.capture is not None and step == 0:
-            self.capture["output"] = h.detach().clone()
+        if self.capture is not None:
+            self.capture.setdefault("outputs", []).append(h.detach().clone())
+            if step == 0:
+                self.capture["output"] = h.detach().clone()
         resident = st.store.device_bytes if st.store else sum(t.numel() * t.element_size() for t in st.unpaged.values())
         st.clock.switch("combine_backward")
         task_loss = torch.mean((h.float() - y_TH) ** 2)
@@ -128,8 +130,9 @@ class RankRunner:
         (loss / self.world).backward()
         cache = self._sync(kept)
         if self.capture is not None and step == 0:
+            updated = {int(i) for i in self.sync_plan.updated[st.rank]}  # a replica not synced goes stale
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
-                                            for i in st.controller.local_instances(st.rank)}
+                                            for i in st.controller.local_instances(st.rank) if int(i) in updated}
             self.capture["router_grads"] = [(w.grad.clone(), b.grad.clone()) for w, b in st.router]
         self._optimize()
         if self.capture is not None and step == 0:
