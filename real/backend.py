@@ -128,6 +128,7 @@ class RealBackend:
         if payload["routing"] is not None:
             routing = RoutingTrace(payload["routing"], scenario.workload.tokens_per_rank, scenario.model.top_k)
         extra = {"device": device, "group_create_s": payload["group_create_s"],
+                 "group_create_bytes": payload.get("group_create_bytes", 0),
                  "launcher": "spawn" if env is None else "torchrun",
                  "wall_time_s": time.perf_counter() - wall0, "exposed_s": _exposed_s(records, scenario)}
         if resume is not None and resume is not False:

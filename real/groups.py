@@ -4,20 +4,45 @@
 fixed groups are created from the layout in one fixed order, and cached groups (M10)
 from the group cache's ``created`` / ``evicted`` lists, which every rank's controller
 computes identically.
+
+On CUDA every group is made with ``device_id`` (torch >= 2.5), so NCCL creates its
+communicator at once: its time and its device memory are paid, and measured, where the
+group is created (``created_s``, ``created_bytes``), not in the group's first collective.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 
+import torch
 import torch.distributed as dist
 
 from testbed.group_cache import CacheEvents, GroupCache
 from testbed.planner import Planner
 
 
+def eager_device(device: torch.device | None) -> dict:
+    """``device_id`` for ``init_process_group`` / ``new_group`` where it makes NCCL create
+    the communicator at once (a CUDA device, a torch that takes it); else nothing."""
+    if device is None or device.type != "cuda" or "device_id" not in inspect.signature(dist.new_group).parameters:
+        return {}
+    return {"device_id": device}
+
+
+def free_device_bytes(device: torch.device | None) -> int:
+    """Free memory of the CUDA device as the driver reports it (NCCL's buffers included,
+    which the caching allocator does not see); 0 off CUDA."""
+    if device is None or device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
 class Groups:
-    def __init__(self, planner: Planner):
+    def __init__(self, planner: Planner, device: torch.device | None = None):
+        self.eager = eager_device(device)
+        self.device = device
         lay = planner.layout
         self.world = tuple(range(lay.world))
         self.fixed: dict[tuple[int, ...], object] = {self.world: dist.group.WORLD}
@@ -28,12 +53,16 @@ class Groups:
             wanted += [tuple(int(r) for r in grid[:, c]) for c in range(grid.shape[1])]
         for members in wanted:
             if members not in self.fixed:
-                self.fixed[members] = dist.new_group(list(members)) if len(members) > 1 else None
+                self.fixed[members] = self._new(members) if len(members) > 1 else None
         self.cached: dict[tuple[int, ...], object] = {}
         # evicted this round: still usable by the round's ops, destroyed by ``retire``
         self._retiring: dict[tuple[int, ...], object] = {}
         self._retired: list[object] = []
         self.created_s = 0.0  # seconds spent creating cached groups (all of them)
+        self.created_bytes = 0  # device bytes their communicators took (CUDA; 0 on CPU)
+
+    def _new(self, members: tuple[int, ...]):
+        return dist.new_group(list(members), **self.eager)
 
     def get(self, members: tuple[int, ...], cached: bool = False):
         members = tuple(members)
@@ -49,7 +78,7 @@ class Groups:
         earlier in the round, or one created in it), so set-aside groups stay usable until
         ``retire`` destroys them after the round's ops. Returns the seconds the creation
         took."""
-        t0 = time.perf_counter()
+        t0, free0 = time.perf_counter(), free_device_bytes(self.device)
         first_evicting = len(events.created) - len(events.evicted)
         for k, members in enumerate(events.created):
             if k >= first_evicting:
@@ -59,9 +88,11 @@ class Groups:
                     self._retiring[old] = pg
                     self._retired.append(pg)
             if members not in self.cached:
-                self.cached[members] = dist.new_group(list(members))
+                self.cached[members] = self._new(members)
         seconds = time.perf_counter() - t0
         self.created_s += seconds
+        if events.created:
+            self.created_bytes += max(free0 - free_device_bytes(self.device), 0)
         return seconds
 
     def restore(self, cache: GroupCache) -> None:
@@ -72,7 +103,7 @@ class Groups:
         self.cached = {}
         self.retire()
         for members in cache.groups():  # least recently used first
-            self.cached[members] = dist.new_group(list(members))
+            self.cached[members] = self._new(members)
 
     def retire(self) -> None:
         """Destroy groups evicted this round, after the round's ops ran."""

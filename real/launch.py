@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from real.control import DistControl, GateKeeper, LocalControl, merge_step
+from real.groups import eager_device
 from real.netem import EmulatedFabric, join_rank_network
 from real.worker import RankRunner
 from testbed.errors import RunError, ScenarioError, signals_stop_work
@@ -97,11 +98,11 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, barrier, devi
             pin_to_core(rank)
         store = dist.FileStore(store_path, world)
         backend = "nccl" if device_kind == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=scenario.real.timeout_s))
         device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
         if device_kind == "cuda":
             torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=scenario.real.timeout_s), **eager_device(device))
         runner = RankRunner(scenario, rank, device)
         control = LocalControl(rank, barrier, q, scenario.real.timeout_s)
         result = runner.run(control, debug, run_dir, resume)
@@ -253,7 +254,7 @@ def run_in_process(scenario: Scenario, env: dict[str, str], on_step, debug: dict
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=scenario.real.timeout_s))
+                            world_size=world, timeout=timedelta(seconds=scenario.real.timeout_s), **eager_device(device))
     runner = RankRunner(scenario, rank, device)
     control = DistControl(rank, world, dist.group.WORLD, on_step)
     result = runner.run(control, debug, run_dir, resume)

@@ -71,7 +71,7 @@ class RankState:
         self.ledger = ByteLedger(self.layout)
         self.comm = Comm(self.rank, self.ledger, lambda: self.clock.current or "route",
                          p2p_all_to_all=s.real.network == "emulated")
-        self.groups = Groups(self.planner)
+        self.groups = Groups(self.planner, self.device)
         m = s.model
         self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None
         self.timer = ExpertTimer(self.device.type == "cuda") if s.heat.compute_source == "measured" else None

@@ -326,7 +326,8 @@ class RankRunner:
         trace = [e for per_rank in events for e in per_rank]
         steps = len(self.routing)  # [S, L, W, E] from every rank's [L, E] per step
         return {"trace": trace, "routing": np.stack([np.stack(r) for r in routing], axis=2) if steps else None,
-                "group_create_s": self.st.groups.created_s, "first_step": self.first_step,
+                "group_create_s": self.st.groups.created_s, "group_create_bytes": self.st.groups.created_bytes,
+                "first_step": self.first_step,
                 "captured": captured if self.capture is not None else None}
 
 

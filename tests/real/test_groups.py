@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from real import groups as groups_mod
@@ -40,6 +41,7 @@ def fake(monkeypatch):
 def bare_groups() -> groups_mod.Groups:
     g = groups_mod.Groups.__new__(groups_mod.Groups)  # no fixed groups: only the cache's
     g.fixed, g.cached, g._retiring, g._retired, g.created_s = {}, {}, {}, [], 0.0
+    g.eager, g.device, g.created_bytes = {}, None, 0
     return g
 
 
@@ -68,3 +70,12 @@ def test_the_old_order_lost_a_group_hit_earlier_in_the_round(fake):
     assert groups.get((0, 2), cached=True)[2] == (0, 2)  # evicted in the round, still usable
     groups.retire()
     assert list(groups.cached) == [(0, 1)] and len(fake.live) == 1
+
+
+def test_nccl_communicators_are_created_with_the_group_on_cuda_only():
+    """On CUDA every group is made with device_id, so NCCL creates its communicator with
+    the group (its cost measured there, not in the first collective); gloo takes none."""
+    cuda = torch.device("cuda", 3)
+    assert groups_mod.eager_device(cuda) == {"device_id": cuda}
+    assert groups_mod.eager_device(torch.device("cpu")) == {} and groups_mod.eager_device(None) == {}
+    assert groups_mod.free_device_bytes(torch.device("cpu")) == 0
