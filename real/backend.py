@@ -29,12 +29,11 @@ def check_runnable(scenario: Scenario) -> None:
     if s.workload.trace:
         raise ScenarioError("workload.trace", s.workload.trace,
                             "the real backend routes real tokens; a trace is replayed by --backend sim")
-    if s.overlap.micro_batches > 1:
+    if s.overlap.micro_batches > 1 and s.comm.token_strategy != "alltoall":
         raise ScenarioError("overlap.micro_batches", s.overlap.micro_batches,
-                            "simulated only: the real backend runs each step as one batch (use --backend sim)")
-    if s.overlap.sync_with_backward:
-        raise ScenarioError("overlap.sync_with_backward", True,
-                            "simulated only: the real backend syncs gradients after the backward (use --backend sim)")
+                            f"the real backend pipelines micro-batches of the flat all-to-all only "
+                            f"(comm.token_strategy = alltoall, not {s.comm.token_strategy}); "
+                            f"--backend sim models the others")
     if s.faults:
         raise ScenarioError("faults[0].kind", s.faults[0].kind,
                             "simulated only: fault events are injected by --backend sim; a real rank that dies "

@@ -68,20 +68,24 @@ class Comm:
         self.stage_of = stage_of  # () -> name of the stage the clock is in
         self.p2p_all_to_all = p2p_all_to_all
 
-    def _count(self, kind: str, members: tuple[int, ...], size: int) -> None:
+    def _count(self, kind: str, members: tuple[int, ...], size: int, stage: str | None = None) -> None:
         src, dst, nbytes = transfers(kind, members, size)
         mine = src == self.rank
-        self.ledger.add_transfers(self.stage_of(), src[mine], dst[mine], nbytes[mine])
+        self.ledger.add_transfers(stage or self.stage_of(), src[mine], dst[mine], nbytes[mine])
 
-    def _count_sends(self, members, send_bytes) -> None:
+    def _count_sends(self, members, send_bytes, stage: str | None = None) -> None:
         dst = np.asarray(members, dtype=np.int64)
         nbytes = np.asarray(send_bytes, dtype=np.int64)
         keep = (dst != self.rank) & (nbytes > 0)
-        self.ledger.add_transfers(self.stage_of(), np.full(keep.sum(), self.rank), dst[keep], nbytes[keep])
+        self.ledger.add_transfers(stage or self.stage_of(), np.full(keep.sum(), self.rank), dst[keep], nbytes[keep])
 
     # ---- raw collectives (no autograd) -------------------------------------------------------
-    def all_to_all(self, x: torch.Tensor, send_splits, recv_splits, members, group) -> torch.Tensor:
-        """Rows of ``x`` to each member by ``send_splits``; returns the received rows.
+    def all_to_all(self, x: torch.Tensor, send_splits, recv_splits, members, group, async_op: bool = False,
+                   stage: str | None = None):
+        """Rows of ``x`` to each member by ``send_splits``; returns the received rows
+        (``async_op``: and a work to wait for before reading them, None if there is
+        nothing to wait for). ``stage``: the stage its bytes count in (default: the
+        clock's).
 
         One ``all_to_all_single`` (NCCL runs it as grouped sends and receives; gloo on a
         loopback as its own rendezvous per pair), or with ``p2p_all_to_all`` (gloo on an
@@ -92,20 +96,22 @@ class Comm:
         (measured by ``testbed net probe``: 1.5x slower than all pairs at once). On a
         loopback, where no link limits the rate, gloo's call is the faster of the two."""
         row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
-        self._count_sends(members, [s * row_bytes for s in send_splits])
+        self._count_sends(members, [s * row_bytes for s in send_splits], stage)
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        work = None
         if len(members) == 1:
             out.copy_(x)
-            return out
-        if self.p2p_all_to_all:
-            all_to_all_p2p(out, x.contiguous(), list(recv_splits), list(send_splits), members, self.rank, group)
+        elif self.p2p_all_to_all:
+            work = all_to_all_p2p(out, x.contiguous(), list(recv_splits), list(send_splits), members, self.rank, group,
+                                  async_op=async_op)
         else:
-            dist.all_to_all_single(out, x.contiguous(), list(recv_splits), list(send_splits), group=group)
-        return out
+            work = dist.all_to_all_single(out, x.contiguous(), list(recv_splits), list(send_splits), group=group,
+                                          async_op=async_op)
+        return (out, work) if async_op else out
 
-    def all_gather(self, x: torch.Tensor, members, group, async_op=False):
+    def all_gather(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None):
         p = len(members)
-        self._count("all_gather", tuple(members), x.numel() * x.element_size())
+        self._count("all_gather", tuple(members), x.numel() * x.element_size(), stage)
         out = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
         if p == 1:
             out.copy_(x)
@@ -113,9 +119,9 @@ class Comm:
         work = _all_gather_tensor(out, x.contiguous(), group=group, async_op=async_op)
         return (out, work) if async_op else out
 
-    def reduce_scatter(self, x: torch.Tensor, members, group, async_op=False):
+    def reduce_scatter(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None):
         p = len(members)
-        self._count("reduce_scatter", tuple(members), x.numel() * x.element_size())
+        self._count("reduce_scatter", tuple(members), x.numel() * x.element_size(), stage)
         out = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
         if p == 1:
             out.copy_(x)
@@ -144,8 +150,8 @@ class Comm:
             total += part
         return total.to(x.dtype)
 
-    def all_reduce(self, x: torch.Tensor, members, group, async_op=False):
-        self._count("all_reduce", tuple(members), x.numel() * x.element_size())
+    def all_reduce(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None):
+        self._count("all_reduce", tuple(members), x.numel() * x.element_size(), stage)
         if len(members) == 1:
             return None
         return dist.all_reduce(x, group=group, async_op=async_op)
@@ -164,11 +170,23 @@ class Comm:
                 work.wait()
 
 
+class Works:
+    """Several works waited for as one."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, recv_splits: list[int], send_splits: list[int],
-                   members, rank: int, group) -> None:
+                   members, rank: int, group, async_op: bool = False) -> Works | None:
     """All-to-all of rows as point-to-point messages: every non-empty receive is posted,
-    then every non-empty send, and all are waited for together; this rank's own rows are
-    copied. ``members`` are global ranks in group order; splits are rows per member."""
+    then every non-empty send, and all are waited for together (``async_op``: returned
+    to wait for); this rank's own rows are copied. ``members`` are global ranks in group
+    order; splits are rows per member."""
     recv_at = np.concatenate([[0], np.cumsum(recv_splits)]).tolist()
     send_at = np.concatenate([[0], np.cumsum(send_splits)]).tolist()
     me = members.index(rank)
@@ -177,9 +195,11 @@ def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, recv_splits: list[int], s
            for j, peer in enumerate(members) if j != me and recv_splits[j] > 0]
     ops += [dist.P2POp(dist.isend, x[send_at[j]:send_at[j + 1]], peer, group)
             for j, peer in enumerate(members) if j != me and send_splits[j] > 0]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    works = Works(dist.batch_isend_irecv(ops) if ops else [])
+    if async_op:
+        return works
+    works.wait()
+    return None
 
 
 def _coded_all_to_all(comm: Comm, x, send_splits, recv_splits, members, group, codec, scale):

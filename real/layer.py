@@ -27,6 +27,7 @@ from real.clock import mark
 from real.comm import AllGather, AllToAll, ReduceScatter
 from real.exchange_plan import flat_stages, hierarchical_stages, plan_exchange
 from real.experts import PagedExpertFFN, combine_slots, source_slots
+from real.pipeline import Exchange, PipelinedExchange, plan_chunks
 from testbed.capacity import kept_counts
 from testbed.router import route
 
@@ -72,13 +73,16 @@ class LayerRunner:
         r.execute_moves(plan.page_moves.get(r.rank), r.take_incoming(), forward=True)
         clock.switch("dispatch")
         slot_idx = source_slots(routing.experts_TK, routing.keep_TK)
+        instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
+        if s.overlap.micro_batches > 1:  # M22: checked to be the flat all-to-all (real.backend)
+            out_TH = self._pipelined(layer, x_TH, plan, slot_idx, probs_TK, tokens, instances)
+            return x_TH + out_TH, routing.aux_loss, plan
         if s.comm.token_strategy == "allgather":
             expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens)
         else:
             expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
         clock.switch("experts")
-        expert_in = mark(expert_in, clock, "dispatch_backward")
-        instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
+        expert_in = mark(expert_in, clock, "dispatch_backward", hook=lambda: r.experts_done(layer))
         y_RH = PagedExpertFFN.apply(expert_in, r.read_weights, instances, counts_e,
                                     s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped)
         y_RH = mark(y_RH, clock, "experts_backward")
@@ -156,6 +160,34 @@ class LayerRunner:
             return combine_slots(back, slot_idx, probs_TK, tokens)
 
         return expert_in, [int(c) for c in xp.expert_counts], combine
+
+    def _pipelined(self, layer, x_TH, plan, slot_idx, probs_TK, tokens, instances):
+        """The flat exchange and the experts in ``overlap.micro_batches`` micro-batches
+        (``real.pipeline``): the layer's MoE output [T, H]."""
+        r = self.r
+        s, lay = r.scenario, r.layout
+        g = int(lay.group_of[r.rank])
+        members = list(lay.ep_group(g))
+        owner = lambda e: e // lay.experts_per_rank  # noqa: E731
+        xp = plan_exchange(plan.kept[lay.rank_of[g]], members, owner, flat_stages(lay.ep_size, owner), r.rank)
+        (st,) = xp.stages
+        dev = x_TH.device
+        chunks = plan_chunks(st.send_splits, st.recv_splits, xp.expert_rows, xp.expert_counts,
+                             s.overlap.micro_batches, dev)
+        m = s.model
+
+        def experts(rows, counts):
+            return PagedExpertFFN.apply(rows, r.read_weights, instances, counts, m.hidden_size, m.ffn_hidden_size,
+                                        r.grads, r.timer, r.grouped)
+
+        ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks, experts,
+                      hook=lambda: r.backward_pages(layer), experts_done=lambda: r.experts_done(layer))
+        send_rows = torch.as_tensor(st.send_rows, dtype=torch.long, device=dev)
+        buf = x_TH.index_select(0, slot_idx // probs_TK.shape[1]).index_select(0, send_rows)
+        back = PipelinedExchange.apply(buf, ex)
+        r.clock.switch("combine")
+        out = combine_slots(back.index_select(0, inverse(send_rows)), slot_idx, probs_TK, tokens)
+        return mark(out, r.clock, "combine_backward")
 
     def _allgather(self, layer, x_TH, routing, probs_TK, tokens):
         r = self.r

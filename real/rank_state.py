@@ -80,6 +80,11 @@ class RankState:
         for layer in range(m.num_layers):
             w, b = initial_router(s.run.seed, layer, s)
             self.router.append((w.to(self.device).requires_grad_(), b.to(self.device).requires_grad_()))
+        #: the step's ``real.overlap_sync.OverlappedSync`` while the backward runs, else None
+        self.sync_hooks = None
+        self.backward_plans: dict | None = None  # layer -> its backward page plan, decided ahead
+        for p in (p for pair in self.router for p in pair):
+            p.register_post_accumulate_grad_hook(self._router_grad_ready)
         init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
         self.store = None
         self.unpaged: dict[int, torch.Tensor] = {}
@@ -156,6 +161,15 @@ class RankState:
         self.groups.restore(controller.cache)
 
     # ---- paging -------------------------------------------------------------------------------
+    def _router_grad_ready(self, param: torch.Tensor) -> None:
+        if self.sync_hooks is not None:
+            self.sync_hooks.router_grad_ready(param)
+
+    def experts_done(self, layer: int) -> None:
+        """The backward has completed layer ``layer``'s expert gradients (M22's overlapped sync)."""
+        if self.sync_hooks is not None:
+            self.sync_hooks.experts_done(layer)
+
     def execute_moves(self, moves: PageMoves | None, incoming=None, forward: bool = False) -> None:
         if moves is None or len(moves) == 0 or self.store is None:
             return
@@ -172,10 +186,20 @@ class RankState:
         if self.store is not None:
             self.stall_s += self.store.settle()
 
+    def plan_backward_pages(self) -> None:
+        """Decide every layer's backward page loads now, last layer first as the backward
+        will need them (stage paging): the controller then decides the sync after them, in
+        the order the simulator's controller does, even when the sync is planned during
+        the backward (M22)."""
+        with self.clock.region("paging"):
+            self.backward_plans = {layer: self.controller.backward_layer(layer)
+                                   for layer in reversed(range(self.scenario.model.num_layers))}
+
     def backward_pages(self, layer: int) -> None:
         """Start of a layer's backward: reload the pages of its experts (stage paging)."""
         with self.clock.region("paging"):
-            plan = self.controller.backward_layer(layer)
+            plans = self.backward_plans
+            plan = plans.pop(layer) if plans else self.controller.backward_layer(layer)
             self.execute_moves(plan.page_moves.get(self.rank), forward=True)
 
     def refresh(self, ops) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from real.checkpoint import Checkpointer, checkpoint_dir
 from real.control import lead_fields
 from real.layer import LayerRunner, own_op
+from real.overlap_sync import OverlappedSync
 from real.rank_state import ActivationMeter, RankState
 from real.task import SyntheticTask
 from testbed.errors import RunError, ScenarioError
@@ -127,8 +128,16 @@ class RankRunner:
         st.clock.switch("combine_backward")
         task_loss = torch.mean((h.float() - y_TH) ** 2)
         loss = task_loss + aux_total
-        (loss / self.world).backward()
-        cache = self._sync(kept)
+        if s.overlap.sync_with_backward:  # M22: issued from the backward as gradients complete
+            overlapped = OverlappedSync(self, kept)
+            st.clock.switch("combine_backward")
+            (loss / self.world).backward()
+            self.sync_plan = overlapped.finish()
+            self.synced = overlapped.synced
+            cache = self.sync_plan.cache
+        else:
+            (loss / self.world).backward()
+            cache = self._sync(kept)
         if self.capture is not None and step == 0:
             updated = {int(i) for i in self.sync_plan.updated[st.rank]}  # a replica not synced goes stale
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
@@ -198,15 +207,26 @@ class RankRunner:
         bitmask of the experts it kept tokens for, all layers, gathered over all ranks;
         returns which EP groups used each expert [L, R, E] (None with one replica: the
         route all-gather told every rank)."""
+        return self.start_discovery(kept_LE)()
+
+    def start_discovery(self, kept_LE: np.ndarray):
+        """``_discover``'s all-gather, issued now (stage expert_sync); returns a function
+        that waits for it and gives its answer."""
         st = self.st
         bits = torch.from_numpy(np.packbits(kept_LE.reshape(-1) > 0)).to(st.device)
         op = own_op(st.planner.discovery_ops(), st.rank, bits)
         if op is None:
-            return None
+            return lambda: None
         lay = st.layout
-        got = st.comm.all_gather(bits, op.members, st.groups.get(op.members)).view(len(op.members), -1).cpu().numpy()
-        used = np.unpackbits(got, axis=1, count=kept_LE.size).astype(bool).reshape((lay.world,) + kept_LE.shape)
-        return used[lay.rank_of].any(axis=1).transpose(1, 0, 2)  # [R, P, L, E] -> [L, R, E]
+        got, work = st.comm.all_gather(bits, op.members, st.groups.get(op.members), async_op=True, stage="expert_sync")
+
+        def answer():
+            if work is not None:
+                work.wait()
+            used = np.unpackbits(got.view(len(op.members), -1).cpu().numpy(), axis=1, count=kept_LE.size)
+            used = used.astype(bool).reshape((lay.world,) + kept_LE.shape)
+            return used[lay.rank_of].any(axis=1).transpose(1, 0, 2)  # [R, P, L, E] -> [L, R, E]
+        return answer
 
     # ---- after the backward ----------------------------------------------------------------------
     def _grad(self, instance: int) -> torch.Tensor:

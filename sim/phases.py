@@ -37,6 +37,7 @@ import numpy as np
 
 from testbed.collectives import CollectiveOp
 from testbed.controller import LayerBackward, LayerForward, StepEnd, SyncPlan
+from testbed.micro_batches import chunk_rows
 from testbed.page_moves import GPU, HOST
 from testbed.pager_pool import MovesByRank
 from testbed.scenario import Scenario
@@ -81,11 +82,16 @@ def batches(ops: list[CollectiveOp]) -> list[list[CollectiveOp]]:
 
 
 def split_op(op: CollectiveOp, n: int, i: int) -> CollectiveOp:
-    """Micro-batch ``i`` of ``n`` of an op: an n-th of its bytes (remainders to the first)."""
+    """Micro-batch ``i`` of ``n`` of an op: an n-th of its bytes (remainders to the
+    first), an all-to-all of token rows in whole rows as the real backend sends them
+    (``testbed.micro_batches``)."""
     if op.kind == "all_to_all_v":
-        base, rem = np.divmod(op.matrix, n)
-        return CollectiveOp(op.kind, op.members, op.stage, op.layer, matrix=base + (rem > i),
-                            batch=op.batch, stream=op.stream, label=op.label)
+        if op.row_bytes > 0:
+            matrix = chunk_rows(op.matrix // op.row_bytes, n, i) * op.row_bytes
+        else:
+            matrix = chunk_rows(op.matrix, n, i)
+        return CollectiveOp(op.kind, op.members, op.stage, op.layer, matrix=matrix,
+                            batch=op.batch, stream=op.stream, label=op.label, row_bytes=op.row_bytes)
     size = op.size // n + (op.size % n > i)
     return CollectiveOp(op.kind, op.members, op.stage, op.layer, size=size, batch=op.batch,
                         stream=op.stream, label=op.label)

@@ -64,6 +64,7 @@ class CollectiveOp:
     stream: int = 0
     cached: bool = False
     label: str = ""
+    row_bytes: int = 0  # all_to_all_v of token rows: bytes per row (micro-batches split whole rows); 0: not rows
 
     def __post_init__(self):
         if self.kind not in KINDS:

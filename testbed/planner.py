@@ -157,7 +157,7 @@ class Planner:
                 if (order != np.arange(len(order))).any():
                     mat = mat[np.ix_(order, order)]
                 ops.append(CollectiveOp("all_to_all_v", tuple(members[order].tolist()), stage, layer,
-                                        matrix=mat, label="tokens"))
+                                        matrix=mat, label="tokens", row_bytes=self.token_bytes))
             return ops
         for g in range(lay.replicas):
             ops += self._hierarchical_ops(stage, layer, g, ds[g])
@@ -198,11 +198,11 @@ class Planner:
         intra_batch, inter_batch = (0, 1) if forward else (1, 0)
         intra = [CollectiveOp("all_to_all_v", tuple(int(r) for r in grid[a]), stage, layer,
                               matrix=s1[a] if forward else s1[a].T, batch=intra_batch,
-                              label="tokens intra-node")
+                              label="tokens intra-node", row_bytes=self.token_bytes)
                  for a in range(a_nodes) if b > 1]
         inter = [CollectiveOp("all_to_all_v", tuple(int(r) for r in grid[:, c]), stage, layer,
                               matrix=s2[c] if forward else s2[c].T, batch=inter_batch,
-                              label="tokens inter-node")
+                              label="tokens inter-node", row_bytes=self.token_bytes)
                  for c in range(b) if a_nodes > 1]
         return intra + inter if forward else inter + intra
 

@@ -47,8 +47,6 @@ def test_torchrun_world_size_must_match_the_cluster(monkeypatch, tmp_path, two_r
 
 
 @pytest.mark.parametrize("section, fields, name", [
-    ("overlap", {"micro_batches": 2}, "overlap.micro_batches"),
-    ("overlap", {"sync_with_backward": True}, "overlap.sync_with_backward"),
     ("faults", [{"at_step": 1, "kind": "gpu_lost", "target": "gpu:1"}], "faults[0].kind"),
 ])
 def test_simulated_only_options_fail_fast(section, fields, name, tmp_path, two_ranks):

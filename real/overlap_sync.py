@@ -1,0 +1,154 @@
+"""Gradient sync overlapped with the backward (M22, ``overlap.sync_with_backward``), real backend.
+
+What the simulator's sync stream does, as async collectives (gloo's worker threads,
+NCCL's stream) issued from points of the backward that every rank passes in the same
+order:
+
+- once the forward is done, every layer's backward page loads are decided (so that the
+  controller decides the sync after them, as the simulator's does) and the step's
+  active-group discovery all-gather (M10) is issued; it is waited for, the controller plans the sync and the group cache's
+  communicators are made, when the first layer's expert gradients are complete;
+- when a layer's expert gradients are complete (its experts' backward ran), its expert
+  sync is issued: the all-reduce of the shard's gradients, or the two-stage
+  reduce-scatters (M9), whose all-gathers are issued when the next layer's gradients are
+  complete (a fixed point of every rank's backward, so the collectives on each group
+  keep one order on every rank);
+- when every router gradient of a bucket has been accumulated (a post-accumulate hook
+  per parameter, as torch DDP does), the bucket's all-reduce is issued.
+
+After the backward the rank waits for what is still in flight (stages ``expert_sync``
+and ``dense_sync``: what the overlap did not hide).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from testbed.planner import Planner, padded_elements
+
+
+class OverlappedSync:
+    """One step's gradient sync, issued during its backward (module doc)."""
+
+    def __init__(self, runner, kept_LE: np.ndarray):
+        self.runner, self.st = runner, runner.st
+        self.st.plan_backward_pages()  # the controller decides the backward's pages before the sync
+        self.discovery = runner.start_discovery(kept_LE)  # () -> active groups [L, R, E] or None
+        self.plan = None
+        self.synced: dict[int, torch.Tensor] = {}
+        self.reducing: list = []  # (stage, work, finish) of issued all-reduces, in issue order
+        self.scattering: list = []  # (layer, [(op, shard, work)]) awaiting their all-gathers
+        self.gathering: list = []  # (inst, out, work)
+        self.bucket_left: dict[int, set] = {}  # dense op index -> router parameters not yet accumulated
+        self.st.sync_hooks = self
+
+    # ---- called from the backward ------------------------------------------------------------
+    def experts_done(self, layer: int) -> None:
+        """Layer ``layer``'s expert gradients are complete: issue its expert sync, and the
+        all-gathers of the layer before (its reduce-scatters were issued a layer ago)."""
+        self._planned()
+        st = self.st
+        E, n = st.scenario.model.num_experts, st.scenario.model.expert_params
+        local = list(st.layout.local_experts(st.rank))
+        mine = [op for op in self.plan.expert_sync_ops if st.rank in op.members and op.layer == layer]
+        scatters = []
+        for op in mine:
+            if op.kind == "all_reduce":  # the shard's experts of one layer, one buffer
+                insts = [layer * E + e for e in local]
+                buf = torch.cat([self.runner._grad(i) for i in insts])
+                work = st.comm.all_reduce(buf, op.members, st.groups.get(op.members), async_op=True, stage="expert_sync")
+
+                def finish(insts=insts, buf=buf):
+                    for i, part in zip(insts, buf.chunk(len(insts))):
+                        self.synced[i] = part
+                self.reducing.append(("expert_sync", work, finish))
+            elif op.kind == "reduce_scatter":
+                inst = layer * E + int(op.label.split()[-1])
+                g = self.runner._grad(inst)
+                padded = torch.zeros(padded_elements(n, len(op.members)), dtype=g.dtype, device=g.device)
+                padded[:n] = g
+                shard, work = st.comm.reduce_scatter(padded, op.members, st.groups.get(op.members, cached=True),
+                                                     async_op=True, stage="expert_sync")
+                scatters.append((op, inst, shard, work))
+        self._gather_previous()
+        if scatters:
+            self.scattering.append((layer, scatters))
+
+    def router_grad_ready(self, param: torch.Tensor) -> None:
+        """A router parameter's gradient was accumulated: issue its bucket once full."""
+        self._planned()
+        for k, left in self.bucket_left.items():
+            if any(p is param for p in left):
+                self.bucket_left[k] = {p for p in left if p is not param}
+                if not self.bucket_left[k]:
+                    self._issue_bucket(self.plan.dense_sync_ops[k])
+                return
+
+    # ---- after the backward -------------------------------------------------------------------
+    def finish(self):
+        """Wait for every issued collective (and issue the last all-gathers); returns the
+        plan. Expert gradients synced are in ``synced``; router gradients are in place."""
+        st = self.st
+        self._planned()
+        st.clock.switch("expert_sync")
+        self._gather_previous(everything=True)
+        for k, left in self.bucket_left.items():  # a bucket whose hooks never all fired (no gradient)
+            if left:
+                self._issue_bucket(self.plan.dense_sync_ops[k])
+                self.bucket_left[k] = set()
+        for stage, work, done in sorted(self.reducing, key=lambda r: r[0] == "dense_sync"):  # expert sync first
+            st.clock.switch(stage)
+            if work is not None:
+                work.wait()
+            done()
+        st.clock.switch("expert_sync")
+        for inst, out, work in self.gathering:
+            if work is not None:
+                work.wait()
+            self.synced[inst] = out[:st.scenario.model.expert_params]
+        st.groups.retire()
+        st.sync_hooks = None
+        return self.plan
+
+    # ---- inside --------------------------------------------------------------------------------
+    def _planned(self) -> None:
+        """The sync plan, made when first needed: discovery's answer, the controller's
+        plan, the cached communicators, and the router buckets to fill."""
+        if self.plan is not None:
+            return
+        st = self.st
+        previous = st.clock.current
+        st.clock.switch("expert_sync")
+        self.plan = st.controller.sync(self.discovery())
+        if self.plan.cache is not None:
+            st.groups.apply(self.plan.cache)
+        for k, op in enumerate(self.plan.dense_sync_ops):
+            self.bucket_left[k] = {p for layer in Planner.bucket_layers(op) for p in st.router[layer]}
+        st.clock.switch(previous)
+
+    def _gather_previous(self, everything: bool = False) -> None:
+        """Issue the all-gathers of the layers whose reduce-scatters were issued before
+        (all of them at the end), waiting for those reduce-scatters."""
+        st = self.st
+        while self.scattering:
+            _, scatters = self.scattering.pop(0)
+            for op, inst, shard, work in scatters:
+                if work is not None:
+                    work.wait()
+                pg = st.groups.get(op.members, cached=True)
+                out, gather = st.comm.all_gather(shard, op.members, pg, async_op=True, stage="expert_sync")
+                self.gathering.append((inst, out, gather))
+            if not everything:
+                break
+
+    def _issue_bucket(self, op) -> None:
+        st = self.st
+        params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.router[layer]]
+        buf = torch.cat([p.grad.reshape(-1) for p in params])
+        work = st.comm.all_reduce(buf, op.members, st.groups.get(op.members), async_op=True, stage="dense_sync")
+
+        def done(params=params, buf=buf):
+            for p, part in zip(params, buf.split([p.numel() for p in params])):
+                p.grad.copy_(part.view_as(p))
+        self.reducing.append(("dense_sync", work, done))
