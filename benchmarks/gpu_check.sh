@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the real backend (issue 4, item 9), one script, a few minutes on one H200:
 #   1. the CUDA tests (tests/real/test_cuda.py: grouped GEMM vs loop, side-stream paging,
-#      FP8 codec, one rank training on one GPU with a profiler trace);
+#      FP8 codec, one rank training on one GPU with a profiler trace, and with 2 or more
+#      GPUs NCCL ranks with overlap against the single-process reference);
 #   2. benchmarks/gpu_bench.py: grouped expert GEMM vs torch.bmm, page copy GB/s vs the
 #      pinned-copy ceiling, copies hidden behind expert compute, router + permutation share,
 #      each line with its goal and PASS / MISS.
@@ -12,7 +13,7 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
 ts() { date +%H:%M:%S; }
 
 echo "[$(ts)] gpu_check in $PWD: $($PY -c 'import torch; print("torch", torch.__version__)')"
@@ -27,7 +28,15 @@ if $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; 
 else
     echo "[$(ts)] CUDA is absent: no CUDA tests; the benchmark runs its CPU-side parts (CPU, not a goal check)"
 fi
-echo "[$(ts)] benchmark"
+echo "[$(ts)] benchmark (ceilings: benchmarks/h200-ceilings.json)"
 $PY benchmarks/gpu_bench.py || status=1
+gpus=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$gpus" -ge 2 ]; then
+    echo "[$(ts)] multi-rank: NCCL collectives on $gpus GPUs (nccl-tests style; no goal: figures to hold against the simulator)"
+    $PY -m testbed.cli collective all_reduce --backend real --gpus "$gpus" --sizes 1M:256M || status=1
+    $PY -m testbed.cli collective all_to_all --backend real --gpus "$gpus" --sizes 1M:256M || status=1
+else
+    echo "[$(ts)] multi-rank: skipped ($gpus GPU)"
+fi
 echo "[$(ts)] gpu_check done (status $status)"
 exit $status

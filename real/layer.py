@@ -57,7 +57,7 @@ class LayerRunner:
     def forward(self, layer: int, x_TH: torch.Tensor, step: int):
         """(h_TH = x + MoE(x), aux loss, the controller's LayerForward)."""
         r = self.r
-        s, clock, comm = r.scenario, r.clock, r.comm
+        s, clock = r.scenario, r.clock
         top_k, tokens = s.model.top_k, x_TH.shape[0]
         clock.switch("route")
         w_EH, b_E = r.router[layer]

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from real import groups as groups_mod
 from testbed.group_cache import GroupCache
