@@ -74,7 +74,8 @@ def test_a_stopped_rerun_never_replaces_the_complete_run(tmp_path, monkeypatch):
 def test_refused_runs_leave_no_folder(tmp_path, two_ranks):
     out = tmp_path / "runs"
     with pytest.raises(ScenarioError, match="simulated only"):  # refused by the backend's check
-        run_scenario(scenario(tmp_path, two_ranks, overlap={"micro_batches": 2}), "real")
+        run_scenario(scenario(tmp_path, two_ranks, faults=[{"at_step": 1, "kind": "gpu_lost", "target": "gpu:1"}]),
+                     "real")
     with pytest.raises(ScenarioError, match="cluster.profile"):  # refused when the profile is looked up
         run_scenario(scenario(tmp_path, cluster={"profile": "nosuchprofile"}), "sim")
     with pytest.raises(ScenarioError, match="workload.trace"):  # refused while it runs, before its first step
