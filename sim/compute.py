@@ -96,6 +96,23 @@ class ComputeModel:
             return 0.0
         return max(3.0 * param_bytes / self.memory_bw, self.launch) * self.scale
 
+    def block_slowdown(self, hidden: int, ffn: int, page_bytes: int) -> float:
+        """How much longer an expert's GEMMs take in blocks of one page each (M14 page
+        pipelining) than at full width. Page k of the flat weights holds rows of w1 (F
+        elements each) or of w2 (H each), so a block contracts over ``page / row`` of the
+        H (or F) dimension; a GEMM of contraction width w runs at ``w / (w + k)`` of its
+        full-width efficiency relative ``full / (full + k)``, k the profile's
+        ``compute.block_half_width`` (an assumption unless measured). The mean over the
+        two matrices (they have the same FLOPs)."""
+        k = self.profile.compute.block_half_width
+        elems = page_bytes / self.dtype_bytes
+
+        def slower(full: float, row: float) -> float:
+            width = min(full, elems / row)
+            return (width + k) / width * full / (full + k)
+
+        return 0.5 * (slower(hidden, ffn) + slower(ffn, hidden))
+
     def copy_time(self, page_bytes):
         """Seconds to copy one page host <-> device: latency + bytes / table bandwidth."""
         return self.profile.copy.time(page_bytes)

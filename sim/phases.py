@@ -191,10 +191,11 @@ class PhaseBuilder:
             self.host("paging", f.layer, moved[0] + moved[1] + buffer_bytes(f.refresh_ops, w))
             for batch in batches(f.refresh_ops):  # the requests, then the copies they ask for
                 self.chain("paging", f.layer, "ops", "comm", ops=batch)
-            copy = self.copy_phase(f.layer, moved)
-            self.exchange(f.layer, ("dispatch", f.dispatch_ops),
-                          ("experts", self.expert_seconds(rows[f.layer], False), act[f.layer]),
-                          ("combine", f.combine_ops), n, copy)
+            x_seconds = self.expert_seconds(rows[f.layer], False)
+            pipe = self.page_pipeline(f, rows[f.layer], moved, x_seconds) if n == 1 else None
+            copy = self.copy_phase(f.layer, moved) if pipe is None else pipe[0]
+            self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer]),
+                          ("combine", f.combine_ops), n, copy, pipeline=pipe)
         sync_phases: list[int] = []
         overlap_sync = s.overlap.sync_with_backward
         creating = self.creation_seconds(d.sync)
@@ -302,7 +303,44 @@ class PhaseBuilder:
             return self.add("paging", layer, "copy", "copy", (self.main,), **data)
         return self.chain("paging", layer, "copy", "copy", in_line=True, **data)
 
-    def exchange(self, layer, before, experts, after, n, copy, expert_work=None):
+    def page_pipeline(self, fwd: LayerForward, rows: np.ndarray, moved, x_seconds: np.ndarray):
+        """M14 page pipelining of a layer's forward (``pager.pipeline_pages``, copies on the
+        copy stream): the experts start once the first page a rank loads has arrived and
+        compute page by page (``ComputeModel.block_slowdown``); the experts of pages
+        already on the GPU compute at full width. As two copy phases (each rank's first
+        loaded page, with its write-backs, then the rest) and two expert phases: all but
+        the last block after the first page, the last block after the last page - the
+        two-machine flow shop's bound max(first page + blocks, all pages) + last block.
+        Returns (first copy, rest copy, [W] seconds before the last block, [W] the last
+        block's seconds), or None when there is nothing to pipeline (the experts then
+        wait for all their pages)."""
+        s, m, w = self.s, self.s.model, self.layout.world
+        if not (s.pager.enabled and s.pager.pipeline_pages and self.copies_overlap):
+            return None
+        h2d, d2h, pages, slots = moved
+        loads = np.zeros(w, dtype=np.int64)
+        loading = np.zeros(rows.shape, dtype=bool)  # [W, E/P] local experts with pages on the way
+        for ranks, mv in fwd.page_moves.groups():
+            load = (mv.src == HOST) & (mv.dst == GPU)
+            loads[ranks] += int(load.sum())
+            local = np.unique(mv.expert[load]) - fwd.layer * m.num_experts
+            for r in ranks:
+                loading[r, np.searchsorted(self.local[r], local)] = True
+        if not loads.any():
+            return None
+        wait_rows = np.where(loading, rows, 0)
+        blocked = self.expert_seconds(wait_rows, False) * self.compute.block_slowdown(
+            m.hidden_size, m.ffn_hidden_size, self.page_bytes)
+        ready = np.maximum(x_seconds - self.expert_seconds(wait_rows, False), 0.0)
+        tail = np.divide(blocked, loads, out=np.zeros(w), where=loads > 0)
+        share = np.divide(1.0, loads, out=np.ones(w), where=loads > 0)  # the first page's share of the moves
+        first = self.add("paging", fwd.layer, "copy", "copy", (self.main,), h2d=h2d * share, d2h=d2h * share,
+                         pages=pages * share, mem_delta=slots * self.page_bytes)
+        rest = self.add("paging", fwd.layer, "copy", "copy", (first,), h2d=h2d * (1 - share), d2h=d2h * (1 - share),
+                        pages=pages * (1 - share), mem_delta=np.zeros(w))
+        return first, rest, ready + blocked - tail, tail
+
+    def exchange(self, layer, before, experts, after, n, copy, expert_work=None, pipeline=None):
         """Token exchange -> experts -> token exchange, in n micro-batches (M22 when n > 1).
 
         Micro-batch i's experts wait for its first exchange (and the page loads); the comm
@@ -318,8 +356,15 @@ class PhaseBuilder:
         if n == 1:
             for batch in batches(b_ops):
                 self.chain(b_stage, layer, "ops", "comm", ops=batch)
-            self.main = self.add(x_stage, layer, "compute", "compute", (self.main, copy),
-                                 seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy)
+            if pipeline is not None:  # M14: from the first page on, the last block after the last page
+                first, rest, before_last, last = pipeline
+                head = self.add(x_stage, layer, "compute", "compute", (self.main, first),
+                                seconds=before_last, waits_for_pages=first)
+                self.main = self.add(x_stage, layer, "compute", "compute", (head, rest),
+                                     seconds=last, mem_delta=x_mem, waits_for_pages=rest)
+            else:
+                self.main = self.add(x_stage, layer, "compute", "compute", (self.main, copy),
+                                     seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy)
             for batch in batches(a_ops):
                 self.chain(a_stage, layer, "ops", "comm", ops=batch)
             return

@@ -152,6 +152,9 @@ class ComputeFigures:
     memory_GBps: float = _num("device memory bandwidth, bytes read + written per s / 1e9")
     device_memory_GB: float = _num("device memory of one GPU (one CPU rank's share on CPU), 1e9 bytes")
     launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", non_negative)
+    block_half_width: float = _optional_num("M14 page pipelining: the contraction width (elements) at which a GEMM "
+                                            "on one page's block of rows runs at half the efficiency it has at full "
+                                            "width; an assumption (256) unless measured", 256.0, positive)
     host_cores: float = field(default=0.0, metadata={
         "doc": "CPU backends: cores the ranks of the machine share, rank r pinned to core r % host_cores (the "
                "simulator's flow model shares each core between the ranks computing on it); 0 = every device "
