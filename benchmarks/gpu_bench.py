@@ -13,7 +13,10 @@ Prints one line per measurement with its goal and PASS / MISS:
 3. the fraction of page copies hidden behind expert compute: copies alone, the expert
    FFN alone, both at once (copies on the store's side stream); hidden = (copy + compute
    - both) / copy. Goal: >= 85 %.
-4. router (``testbed.router.route``) + permutation (source order, expert layout and the
+4. the page-pipelined expert FFN (M14: each expert computed page by page as its pages
+   arrive) against load-then-compute, per tokens per expert and page size. Goal: >= 1.3x
+   at the best page size with >= 2,048 tokens per expert.
+5. router (``testbed.router.route``) + permutation (source order, expert layout and the
    weighted combine) as a share of the expert FFN forward at a realistic shape. Goal: <= 10 %.
 
 Without CUDA the same code runs with small shapes on the CPU, every line labelled
@@ -40,6 +43,7 @@ from real.experts import (  # noqa: E402
     grouped_forward,
     source_slots,
 )
+from real.page_pipeline import blocked_ffn  # noqa: E402
 from real.paged_store import PagedExpertStore  # noqa: E402
 from testbed.capacity import expert_capacity  # noqa: E402
 from testbed.heat import COLD  # noqa: E402
@@ -217,7 +221,57 @@ def overlap(b: Bench, shape, copy_bytes: int, page: int) -> None:
           f"hidden {100 * hidden:.1f}%  {b.verdict(hidden >= 0.85)}", flush=True)
 
 
-# ---- 4. router + permutation vs expert compute -----------------------------------------------------
+# ---- 4. page-pipelined expert FFN vs load-then-compute (M14) ---------------------------------------
+def page_pipeline(b: Bench, experts: int, h: int, f: int, tokens_list, pages_mb) -> None:
+    """Every expert's pages start on the host; load-then-compute issues all copies and
+    computes each expert once its pages are in; pipelined computes each expert page by
+    page as its pages arrive (``real.page_pipeline.blocked_ffn`` on
+    ``PagedExpertStore.segments``). Goal: the pipelined FFN >= 1.3x faster at its best
+    page size when there are >= 2,048 tokens per expert."""
+    say(f"page-pipelined expert FFN vs load-then-compute, {experts} experts H={h} F={f} "
+        f"(goal >= 1.3x at the best page size with >= 2048 tokens per expert){b.label}")
+    expert_bytes = 2 * h * f * torch.empty((), dtype=b.dtype).element_size()
+    print(f"  {'tokens/expert':>13s} {'page':>7s} {'load, then ms':>14s} {'pipelined ms':>13s} {'speedup':>8s}")
+    for tokens in tokens_list:
+        x = b.rand(tokens, h, scale=0.25)
+        best = 0.0
+        for mb in pages_mb:
+            page = int(mb * MB)
+            pager, store = page_store(b, page, expert_bytes, experts)
+            store.page_events = True
+            ids = list(pager.experts)
+
+            def run(pipelined: bool, step: int, pager=pager, store=store) -> float:
+                to_host(pager, store, 2 * step)
+                moves = pager.access(ids, 2 * step + 1)
+                pager.end_step()
+                b.sync()
+                t0 = time.perf_counter()
+                store.execute(moves)
+                with torch.no_grad():
+                    for i in ids:
+                        if pipelined:
+                            blocked_ffn(x, store.segments(int(i)), h, f)
+                        else:
+                            expert_ffn(x, [tokens], [store.read(int(i))], h, f, grouped=False)
+                store.settle()
+                b.sync()
+                return time.perf_counter() - t0
+
+            plain = float(np.median([run(False, 4 * k) for k in range(3)]))
+            piped = float(np.median([run(True, 4 * k + 2) for k in range(3)]))
+            speedup = plain / piped
+            best = max(best, speedup)
+            name = f"{mb:g}MB" if mb >= 1 else f"{mb * 1024:g}KB"
+            note = "CPU, no verdict" if not b.cuda else "verdict on the best" if tokens >= 2048 else "no goal below 2048"
+            print(f"  {tokens:>13d} {name:>7s} {plain * 1e3:14.2f} {piped * 1e3:13.2f} {speedup:7.2f}x  {note}",
+                  flush=True)
+            del store, pager
+        if tokens >= 2048 or not b.cuda:
+            print(f"  {tokens:>13d} best {best:.2f}x  {b.verdict(best >= 1.3)}", flush=True)
+
+
+# ---- 5. router + permutation vs expert compute -----------------------------------------------------
 def router_share(b: Bench, tokens: int, h: int, experts: int, top_k: int, f: int) -> None:
     say(f"router + permutation as a share of expert compute (goal <= 10 %){b.label}")
     x = b.rand(tokens, h)
@@ -268,11 +322,13 @@ def main() -> int:
         gemm(b, GPU_SHAPES)
         copies(b, [1, 2, 4, 8, 16, 32, 64], 1024 * MB, ceil)
         overlap(b, GPU_SHAPES[0], 256 * MB, 16 * MB)
+        page_pipeline(b, 8, 4096, 1408, [512, 2048, 8192], [1, 4, 16])
         router_share(b, 8192, 4096, 64, 8, 1408)
     else:
         gemm(b, CPU_SHAPES)
         copies(b, [1 / 16, 1 / 4, 1], 8 * MB, ceil)
         overlap(b, CPU_SHAPES[0], 8 * MB, MB)
+        page_pipeline(b, 4, 64, 128, [256], [1 / 64, 1 / 16])
         router_share(b, 1024, 64, 16, 2, 128)
     say("done")
     return 0

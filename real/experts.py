@@ -26,6 +26,8 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from real.page_pipeline import blocked_ffn
+
 ALIGN_ROWS = 16
 
 
@@ -169,11 +171,16 @@ class PagedExpertFFN(torch.autograd.Function):
     ``read(instance, out=None)`` returns (or fills ``out`` with) an expert's flat weights;
     on CUDA it also makes compute wait for that expert's pending page copies only.
     ``grouped`` picks the grouped kernel; ``timer`` (or None) times each expert (M18).
+    ``blocks(instance)`` (M14 page pipelining, or None) gives an expert's pages to compute
+    on page by page as they arrive (``real.page_pipeline``), or None when it need not
+    wait; a call with such an expert runs the per-expert loop.
     """
 
     @staticmethod
-    def forward(ctx, x_RH, read, instances, counts, hidden, ffn, grads, timer=None, grouped=False):
+    def forward(ctx, x_RH, read, instances, counts, hidden, ffn, grads, timer=None, grouped=False, blocks=None):
         used = [(i, n) for i, n in zip(instances, counts) if n > 0]
+        arriving = {i: b for i, b in ((i, blocks(i)) for i, _ in used) if b is not None} if blocks else {}
+        grouped = grouped and not arriving
         ctx.args = (read, used, hidden, ffn, grads, timer, grouped)
         if not used:
             ctx.save_for_backward(x_RH)
@@ -189,11 +196,15 @@ class PagedExpertFFN(torch.autograd.Function):
             return y
         out, start, pre = [], 0, []
         for inst, n in used:
-            w1, w2 = split_flat(read(inst), hidden, ffn)
             t = _start(timer)
-            a = x_RH[start:start + n] @ w1
+            if inst in arriving:  # M14: page by page as its pages arrive
+                y, a = blocked_ffn(x_RH[start:start + n], arriving[inst], hidden, ffn)
+            else:
+                w1, w2 = split_flat(read(inst), hidden, ffn)
+                a = x_RH[start:start + n] @ w1
+                y = F.gelu(a) @ w2
             pre.append(a)
-            out.append(F.gelu(a) @ w2)
+            out.append(y)
             _stop(timer, t, [(inst, 1.0)])
             start += n
         ctx.save_for_backward(x_RH, *pre)
@@ -202,7 +213,7 @@ class PagedExpertFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_RH):
         read, used, hidden, ffn, grads, timer, grouped = ctx.args
-        none = (None,) * 8
+        none = (None,) * 9
         if not used:
             (x_RH,) = ctx.saved_tensors
             return (torch.zeros_like(x_RH),) + none

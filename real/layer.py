@@ -84,7 +84,8 @@ class LayerRunner:
         clock.switch("experts")
         expert_in = mark(expert_in, clock, "dispatch_backward", hook=lambda: r.experts_done(layer))
         y_RH = PagedExpertFFN.apply(expert_in, r.read_weights, instances, counts_e,
-                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped)
+                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped,
+                                    r.read_blocks)
         y_RH = mark(y_RH, clock, "experts_backward")
         clock.switch("combine")
         # the backward of this layer starts here: bring its experts' pages back first
@@ -178,7 +179,7 @@ class LayerRunner:
 
         def experts(rows, counts):
             return PagedExpertFFN.apply(rows, r.read_weights, instances, counts, m.hidden_size, m.ffn_hidden_size,
-                                        r.grads, r.timer, r.grouped)
+                                        r.grads, r.timer, r.grouped, r.read_blocks)
 
         ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks, experts,
                       hook=lambda: r.backward_pages(layer), experts_done=lambda: r.experts_done(layer))

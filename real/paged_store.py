@@ -65,6 +65,8 @@ class PagedExpertStore:
                        for k, inst in enumerate(pager.experts)}  # instance -> its page numbers
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._ready: dict[int, torch.cuda.Event] = {}  # instance -> event after its last copy
+        self.page_events = False  # M14 page pipelining: record an event after every page loaded
+        self._page_ready: dict[int, torch.cuda.Event] = {}  # page -> event after its copy
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (compute, copy)
         self._mirror_pager()
 
@@ -124,6 +126,13 @@ class PagedExpertStore:
             ev.record(self.copy_stream)
             self._ready[instance] = ev
 
+    def _page_copied(self, page: int) -> None:
+        """With ``page_events``: the copies issued so far cover ``page`` (M14)."""
+        if self.cuda and self.page_events:
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+            self._page_ready[page] = ev
+
     def wait_for(self, instance: int) -> None:
         """Make the current stream wait for the pending copies of ``instance`` (no-op on CPU)."""
         ev = self._ready.get(instance) if self.cuda else None
@@ -150,6 +159,7 @@ class PagedExpertStore:
         stall = sum(max(0.0, here.elapsed_time(ev)) for here, ev in self._waits) * 1e-3
         self._waits.clear()
         self._ready.clear()
+        self._page_ready.clear()
         return stall
 
     # ---- executing the pager's decisions ------------------------------------------------------
@@ -180,10 +190,12 @@ class PagedExpertStore:
                 view = self._host_view(page)
                 self._to_slot(page, slot, view)
                 host_device += view.numel() * self.elem
+                self._page_copied(page)
             elif dst == GPU and src == PEER:
                 _, start, n = self._page_range(page)
                 self._to_slot(page, slot, incoming[inst][start:start + n].to(self.device))
                 self.modified[page] = True  # new weights arrived (M23 tracks them)
+                self._page_copied(page)
             elif src == GPU and dst == HOST:
                 old = int(self.slot_of[page])
                 if nbytes > 0:  # dirty: write back before the slot is reused (M15)
@@ -219,6 +231,30 @@ class PagedExpertStore:
             else:
                 raise RuntimeError(f"expert instance {instance}: page {page} has no valid copy (stale replica)")
         return out
+
+    def pending(self, instance: int) -> bool:
+        """Whether some page of ``instance`` is still being copied in (CUDA, with
+        ``page_events``; never on CPU, where copies are synchronous)."""
+        return any(not self._page_ready[p].query() for p in self._pages[instance] if p in self._page_ready)
+
+    def segments(self, instance: int):
+        """(start element, weights) of each page of ``instance`` in order, without copying
+        the pages on the device (M14): before it yields a page the current stream waits
+        for that page's copy only (CUDA), so compute on the first pages overlaps the
+        copies of the next (every page copied in since the last ``settle`` has its event;
+        the others were complete by then). A page at home on the host is copied over as
+        it is reached."""
+        for page in self._pages[instance]:
+            _, start, n = self._page_range(page)
+            ev = self._page_ready.get(page)
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            if self.loc[page] == GPU:
+                yield start, self._slot_tensor(int(self.slot_of[page]))[:n]
+            elif self.loc[page] == HOST:
+                yield start, self._host_view(page).to(self.device)
+            else:
+                raise RuntimeError(f"expert instance {instance}: page {page} has no valid copy (stale replica)")
 
     def update(self, instance: int, grad_flat: torch.Tensor, lr: float) -> int:
         """SGD on ``instance``: every page becomes ``w - lr * g`` where it lives.

@@ -83,6 +83,8 @@ class RankState:
         #: the step's ``real.overlap_sync.OverlappedSync`` while the backward runs, else None
         self.sync_hooks = None
         self.backward_plans: dict | None = None  # layer -> its backward page plan, decided ahead
+        self.force_blocks = False  # tests: compute every paged expert page by page (M14)
+        self.blocked_experts = 0  # expert forwards computed page by page (M14)
         for p in (p for pair in self.router for p in pair):
             p.register_post_accumulate_grad_hook(self._router_grad_ready)
         init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
@@ -91,6 +93,7 @@ class RankState:
         if s.pager.enabled:
             self.store = PagedExpertStore(self.controller.pager_of(self.rank), m.expert_params,
                                           self.dtype, self.device, init)
+            self.store.page_events = s.pager.pipeline_pages
         else:
             for i in self.controller.local_instances(self.rank):
                 self.unpaged[int(i)] = init(int(i)).to(self.device, self.dtype)
@@ -119,6 +122,17 @@ class RankState:
         if self.store:
             return self.store.read(instance, out)
         return out.copy_(self.unpaged[instance]) if out is not None else self.unpaged[instance].clone()
+
+    def read_blocks(self, instance: int):
+        """M14: the pages of ``instance`` to compute on as they arrive (``pager.pipeline_pages``)
+        while some are still being copied in, else None (read it whole). ``force_blocks``
+        (tests): page by page even when nothing is in flight."""
+        if self.store is None or not self.scenario.pager.pipeline_pages:
+            return None
+        if not (self.force_blocks or self.store.pending(instance)):
+            return None
+        self.blocked_experts += 1
+        return self.store.segments(instance)
 
     def set_unpaged(self, instance: int, flat: torch.Tensor) -> None:
         self.unpaged[instance] = flat

@@ -67,12 +67,14 @@ class RankRunner:
         every rank; an int = from the checkpoint at that step.
         ``debug`` (tests): ``fail_at`` = {"rank": r, "after_steps": n} makes rank r die
         abruptly once n steps are done; ``capture`` = True returns every rank's first-step
-        outputs, synced expert gradients, router gradients and updated weights, and its
-        final weights.
+        outputs, synced expert gradients, router gradients and updated weights, every
+        step's outputs, and its final weights; ``blocked_pages`` = True computes every
+        paged expert page by page (M14) even when none of its pages is in flight.
         """
         debug = debug or {}
         fail_at = debug.get("fail_at")
         self.capture = {} if debug.get("capture") else None
+        self.st.force_blocks = bool(debug.get("blocked_pages"))
         s, st = self.s, self.st
         ckpt = None
         if s.checkpoint.enabled:
@@ -334,6 +336,7 @@ class RankRunner:
                                              if st.controller.fresh[int(i), g]}
             self.capture["final_router"] = [(w.detach().cpu().clone(), b.detach().cpu().clone()) for w, b in st.router]
             self.capture["heat_states"] = st.controller.heat.states
+            self.capture["blocked_experts"] = st.blocked_experts
         events = [None] * self.world if self.st.rank == 0 else None
         dist.gather_object(self.trace, events, dst=0)
         routing = [None] * self.world if self.st.rank == 0 else None

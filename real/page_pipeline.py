@@ -1,0 +1,68 @@
+"""An expert's FFN computed page by page as its pages arrive (M14, ``pager.pipeline_pages``).
+
+An expert's flat weights are w1 (H x F, row-major) then w2 (F x H); page k holds
+elements ``[k P, (k + 1) P)``. So the pages, in order, deliver w1's rows, then w2's: a
+row of w1 is complete once the page holding its last element has arrived. The forward
+contracts block by block over what has arrived,
+
+    a = sum_k x[:, rows_k] @ w1[rows_k]        (the rows of w1 completed by page k)
+    y = sum_k gelu(a)[:, rows_k] @ w2[rows_k]  (the rows of w2 completed by page k)
+
+so on CUDA the compute stream waits for one page at a time (``PagedExpertStore.segments``)
+while the copy stream brings the next. A row split between two pages is assembled from
+both. The result is the unblocked FFN's up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [R, H], pre-activation a [R, F]) of one expert on rows ``x_RH``, from
+    ``segments``: (start element, 1-D tensor) pieces of the flat weights in order that
+    cover them exactly (a page each, waited for as it is yielded)."""
+    rows = x_RH.shape[0]
+    a = x_RH.new_zeros((rows, ffn))
+    y = x_RH.new_zeros((rows, hidden))
+    h = None  # gelu(a), once every row of w1 has arrived
+    w1_end = hidden * ffn
+    carry: list[torch.Tensor] = []  # pieces of the row that the last segment left unfinished
+    for start, data in segments:
+        end = start + data.numel()
+        for lo, hi in ((start, min(end, w1_end)), (max(start, w1_end), end)):  # the w1 part, then the w2 part
+            if lo >= hi:
+                continue
+            in_w1 = lo < w1_end
+            base, width = (0, ffn) if in_w1 else (w1_end, hidden)
+            piece = data[lo - start:hi - start]
+            offset = lo - base
+            first_row = -(-offset // width)  # the first row starting in this piece
+            head = min(first_row * width - offset, piece.numel())
+            if head:  # the end of a row begun in an earlier piece
+                carry.append(piece[:head])
+                if offset + head == first_row * width:  # it is complete now
+                    row = first_row - 1
+                    full = torch.cat(carry).view(1, width)
+                    carry = []
+                    if in_w1:
+                        a = a + x_RH[:, row:row + 1] @ full
+                    else:
+                        h = F.gelu(a) if h is None else h
+                        y = y + h[:, row:row + 1] @ full
+            whole = (piece.numel() - head) // width  # rows wholly inside this piece
+            if whole:
+                block = piece[head:head + whole * width].view(whole, width)
+                r0 = first_row
+                if in_w1:
+                    a = a + x_RH[:, r0:r0 + whole] @ block
+                else:
+                    h = F.gelu(a) if h is None else h
+                    y = y + h[:, r0:r0 + whole] @ block
+            rest = piece[head + whole * width:]
+            if rest.numel():
+                carry.append(rest)
+    if carry:
+        raise ValueError("the segments do not end at the end of the weights")
+    return y, a
