@@ -40,9 +40,7 @@ def test_block_slowdown_closed_form():
 
 
 def forward_phases(s):
-    """The phases of the first step's forward of layer 0, and their timeline."""
-    from sim.schedule import run_analytic
-
+    """The phases of the first step and their timeline."""
     sim = ClusterSim(s, load_profile(s.cluster.profile))
     decisions, phases, tl, *_ = sim.step(0, routing_source(s)(0), [])
     return phases, tl
