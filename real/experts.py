@@ -263,11 +263,20 @@ def expert_ffn(x_RH: torch.Tensor, counts: list[int], flats: list[torch.Tensor |
     return torch.cat(out)
 
 
-def source_slots(experts_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
-    """Flat (token * K + slot) indices of kept slots in source order: (expert, token, slot)."""
+def source_slots(experts_TK: torch.Tensor, keep_TK: torch.Tensor, kept: int | None = None) -> torch.Tensor:
+    """Flat (token * K + slot) indices of kept slots in source order: (expert, token, slot).
+    ``kept``: how many slots are kept, when the caller knows (the hot path: then nothing
+    is read back from the device, where ``nonzero`` would wait for the data)."""
     flat_e = experts_TK.reshape(-1)
-    idx = torch.nonzero(keep_TK.reshape(-1)).squeeze(1)
-    return idx[torch.argsort(flat_e[idx], stable=True)]
+    if kept is None:
+        idx = torch.nonzero(keep_TK.reshape(-1)).squeeze(1)
+        return idx[torch.argsort(flat_e[idx], stable=True)]
+    dropped = ~keep_TK.reshape(-1)  # after every kept slot, in the same (expert, token, slot) order
+    order = torch.argsort(flat_e + dropped.to(flat_e.dtype) * _SHIFT, stable=True)
+    return order[:kept]
+
+
+_SHIFT = 2**40  # above any expert index: moves dropped slots behind every kept one
 
 
 def combine_slots(y_RH: torch.Tensor, slot_idx: torch.Tensor, probs_TK: torch.Tensor, tokens: int) -> torch.Tensor:

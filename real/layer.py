@@ -37,9 +37,10 @@ def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 
-def noise_generator(run_seed: int, step: int, layer: int, rank: int) -> torch.Generator:
-    """Generator of the router's Gumbel noise for one rank, step and layer (CPU)."""
-    return torch.Generator().manual_seed(seed_of(run_seed, step, layer, rank, 0x6E0))
+def noise_generator(run_seed: int, step: int, layer: int, rank: int, device="cpu") -> torch.Generator:
+    """Generator of the router's Gumbel noise for one rank, step and layer, on the rank's
+    device (the noise is drawn there)."""
+    return torch.Generator(device=device).manual_seed(seed_of(run_seed, step, layer, rank, 0x6E0))
 
 
 def inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -62,23 +63,23 @@ class LayerRunner:
         clock.switch("route")
         w_EH, b_E = r.router[layer]
         routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
-                        noise_generator(s.run.seed, step, layer, r.rank))
+                        noise_generator(s.run.seed, step, layer, r.rank, r.device))
         probs_TK = mark(routing.probs_TK, clock, "route_backward")
         routed = self._exchange_counts(layer, routing.routed_E)
         clock.switch("paging")
         plan = r.controller.forward_layer(layer, routed, self._refresh_requests(layer, routed))
-        if not np.array_equal(plan.kept[r.rank], routing.kept_E.cpu().numpy()):
+        if r.self_check and not np.array_equal(plan.kept[r.rank], routing.kept_E.cpu().numpy()):
             raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
         r.refresh(plan.refresh_ops)
         r.execute_moves(plan.page_moves.get(r.rank), r.take_incoming(), forward=True)
         clock.switch("dispatch")
-        slot_idx = source_slots(routing.experts_TK, routing.keep_TK)
+        slot_idx = source_slots(routing.experts_TK, routing.keep_TK, int(plan.kept[r.rank].sum()))
         instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
         if s.overlap.micro_batches > 1:  # M22: checked to be the flat all-to-all (real.backend)
             out_TH = self._pipelined(layer, x_TH, plan, slot_idx, probs_TK, tokens, instances)
             return x_TH + out_TH, routing.aux_loss, plan
         if s.comm.token_strategy == "allgather":
-            expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens)
+            expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens, plan)
         else:
             expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
         clock.switch("experts")
@@ -190,7 +191,7 @@ class LayerRunner:
         out = combine_slots(back.index_select(0, inverse(send_rows)), slot_idx, probs_TK, tokens)
         return mark(out, r.clock, "combine_backward")
 
-    def _allgather(self, layer, x_TH, routing, probs_TK, tokens):
+    def _allgather(self, layer, x_TH, routing, probs_TK, tokens, plan):
         r = self.r
         lay = r.layout
         members = tuple(sorted(lay.ep_group(int(lay.group_of[r.rank]))))
@@ -201,10 +202,13 @@ class LayerRunner:
         e_all = r.comm.all_gather(masked.contiguous(), members, pg).reshape(-1).long()  # (src, t, k)
         p_all = AllGather.apply(probs_TK.contiguous(), r.comm, members, pg).reshape(-1)
         experts = lay.local_experts(r.rank)
-        mine = torch.nonzero((e_all >= experts.start) & (e_all < experts.stop)).squeeze(1)
-        mine = mine[torch.argsort(e_all[mine], stable=True)]  # expert layout: (expert, src, t, k)
+        # the slots of this rank's experts in expert layout (expert, src, t, k): their counts
+        # are the plan's, so nothing is read back from the device
+        counts_e = plan.kept[list(members)][:, experts.start:experts.stop].sum(axis=0).tolist()
+        local = (e_all >= experts.start) & (e_all < experts.stop)
+        key = torch.where(local, e_all - experts.start, torch.full_like(e_all, len(experts)))
+        mine = torch.argsort(key, stable=True)[:sum(counts_e)]
         rows = mine // top_k
-        counts_e = torch.bincount(e_all[mine] - experts.start, minlength=len(experts)).tolist()
         expert_in = x_all.index_select(0, rows)
 
         def combine(y_RH):

@@ -84,6 +84,9 @@ class RankState:
         self.sync_hooks = None
         self.backward_plans: dict | None = None  # layer -> its backward page plan, decided ahead
         self.force_blocks = False  # tests: compute every paged expert page by page (M14)
+        # the router's kept counts checked against the controller's each layer: a testbed
+        # self-check that reads the device back, so on CUDA only with real.check_weights
+        self.self_check = self.device.type != "cuda" or s.real.check_weights
         self.blocked_experts = 0  # expert forwards computed page by page (M14)
         for p in (p for pair in self.router for p in pair):
             p.register_post_accumulate_grad_hook(self._router_grad_ready)
@@ -115,6 +118,8 @@ class RankState:
         self.moves_by_reason = {}
         self.ledger = ByteLedger(self.layout)
         self.comm.ledger = self.ledger
+        if self.device.type == "cuda":  # the step's own peak (StepRecord.peak_memory_bytes)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     # ---- expert weights ----------------------------------------------------------------------
     def read_weights(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:

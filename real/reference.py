@@ -10,7 +10,7 @@ Routing and capacity are written here from the mechanisms' formulas
 mistake there is not made twice:
 
 - M1: logits = x W^T + b, plus Gumbel noise -log(-log u) (u drawn from the run's
-  per-(step, layer, rank) generator, clamped to [1e-9, 1 - 1e-9]); softmax at the
+  per-(step, layer, rank) generator on the ranks' device, clamped to [1e-9, 1 - 1e-9]); softmax at the
   temperature t(step) = start + min(1, step / steps) (end - start); the top-k experts;
   their probabilities renormalised to sum to 1.
 - M2: an expert takes at most C = max(1, ceil(T k / E x capacity_factor)) of one rank's
@@ -51,8 +51,8 @@ def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torc
     r, k = scenario.router, scenario.model.top_k
     tokens, experts = x_TH.shape[0], w_EH.shape[0]
     logits = x_TH.float() @ w_EH.t() + b_E
-    if r.noise == "gumbel":
-        u = torch.rand((tokens, experts), generator=noise).clamp(1e-9, 1 - 1e-9)
+    if r.noise == "gumbel":  # drawn where the run draws it (its ranks' device), computed here
+        u = torch.rand((tokens, experts), generator=noise, device=noise.device).cpu().clamp(1e-9, 1 - 1e-9)
         logits = logits - torch.log(-torch.log(u))
     t = r.temperature_start + min(1.0, step / r.temperature_steps) * (r.temperature_end - r.temperature_start)
     p_TE = torch.softmax(logits / t, dim=-1)
@@ -80,9 +80,10 @@ def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torc
     return kept, aux
 
 
-def reference_run(scenario: Scenario, steps: int | None = None) -> list[dict]:
+def reference_run(scenario: Scenario, steps: int | None = None, noise_device: str = "cpu") -> list[dict]:
     """``steps`` training steps (default: the scenario's) of the whole cluster in this
-    process (CPU); per step the outputs, loss and gradients, and the weights after it."""
+    process (CPU); per step the outputs, loss and gradients, and the weights after it.
+    ``noise_device``: where the run's ranks drew the router noise (its generators there)."""
     s, m = scenario, scenario.model
     dtype = TORCH_DTYPES[m.dtype]
     world, num_experts = s.world_size, m.num_experts
@@ -101,7 +102,8 @@ def reference_run(scenario: Scenario, steps: int | None = None) -> list[dict]:
             aux_total = torch.zeros(())
             for layer in range(m.num_layers):
                 w_EH, b_E = routers[layer]
-                kept, aux = route_by_formula(h, w_EH, b_E, s, step, noise_generator(s.run.seed, step, layer, rank))
+                kept, aux = route_by_formula(h, w_EH, b_E, s, step,
+                                              noise_generator(s.run.seed, step, layer, rank, noise_device))
                 moe = [torch.zeros(m.hidden_size, dtype=dtype) for _ in range(h.shape[0])]
                 for tok, _, e, p in kept:
                     w1, w2 = split_flat(experts[layer * num_experts + e], m.hidden_size, m.ffn_hidden_size)
@@ -131,9 +133,9 @@ def reference_run(scenario: Scenario, steps: int | None = None) -> list[dict]:
     return out
 
 
-def reference_step(scenario: Scenario, step: int = 0) -> dict:
+def reference_step(scenario: Scenario, step: int = 0, noise_device: str = "cpu") -> dict:
     """The first step of ``reference_run`` (``step`` must be 0: the reference trains
     from the initial weights)."""
     if step != 0:
         raise ValueError("reference_step runs the first step; use reference_run for more")
-    return reference_run(scenario, steps=1)[0]
+    return reference_run(scenario, steps=1, noise_device=noise_device)[0]

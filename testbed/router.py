@@ -53,8 +53,9 @@ def route(x_TH: torch.Tensor, weight_EH: torch.Tensor, bias_E: torch.Tensor, cfg
     logits_TE = x_TH.float() @ weight_EH.t() + bias_E
     if training:
         if cfg.noise == "gumbel":
-            # drawn on the CPU so that every device gets the same noise for the same seed
-            u = torch.rand(logits_TE.shape, generator=noise).to(logits_TE.device)
+            # drawn where the generator lives: the rank's device, so that the hot path does not
+            # wait for a host-to-device copy (a CPU and a CUDA generator of one seed differ)
+            u = torch.rand(logits_TE.shape, generator=noise, device=noise.device)
             u = u.clamp(1e-9, 1 - 1e-9)
             logits_TE = logits_TE - torch.log(-torch.log(u))
         probs_TE = torch.softmax(logits_TE / temperature(cfg, step), dim=-1)
@@ -64,13 +65,22 @@ def route(x_TH: torch.Tensor, weight_EH: torch.Tensor, bias_E: torch.Tensor, cfg
         top_logits, experts_TK = torch.topk(logits_TE, top_k, dim=-1)
         probs_TK = torch.softmax(top_logits, dim=-1)
         probs_TE = torch.softmax(logits_TE, dim=-1)
-    routed_E = torch.bincount(experts_TK.reshape(-1), minlength=num_experts)
+    routed_E = _count(experts_TK, None, num_experts)
     # M3: f_i = fraction of (token, slot) pairs on expert i, P_i = mean probability of expert i
     f_E = routed_E.float() / experts_TK.numel()
     aux = cfg.aux_loss_coef * num_experts * (f_E * probs_TE.mean(0)).sum()
     keep_TK = capacity_mask(experts_TK, probs_TK.detach(), capacity, cfg.drop_policy, num_experts)
-    kept_E = torch.bincount(experts_TK[keep_TK], minlength=num_experts)
+    kept_E = _count(experts_TK, keep_TK, num_experts)
     return Routing(experts_TK, probs_TK, keep_TK, aux, routed_E, kept_E)
+
+
+def _count(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """int64 [E] slots per expert (those of ``keep_TK`` only, if given), without reading
+    anything back from the device (``bincount`` and boolean masks size their output from
+    the data, which on CUDA waits for it)."""
+    flat = experts_TK.reshape(-1)
+    ones = torch.ones_like(flat) if keep_TK is None else keep_TK.reshape(-1).to(flat.dtype)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, ones)
 
 
 def capacity_mask(experts_TK: torch.Tensor, probs_TK: torch.Tensor, capacity: int | None,

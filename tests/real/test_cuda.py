@@ -174,7 +174,7 @@ def test_nccl_ranks_match_the_reference_with_overlap():
             "real": {"device": "cuda"},
         })
         result = RealBackend().run(s, debug={"capture": True})
-        ref = reference_step(s)
+        ref = reference_step(s, noise_device="cuda")
         assert result.extra["device"] == "cuda"
         assert abs(result.records[0].loss - ref["loss"]) <= 1e-4 * abs(ref["loss"])
         for rank, cap in enumerate(result.captured):
