@@ -56,6 +56,47 @@ def _gather_rows(starts, lengths, order) -> np.ndarray:
     return np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order])
 
 
+def ranges(starts, lengths) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` for each pair (int64)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total)
+
+
+def plan_flat(kept: np.ndarray, members: list[int], owner_of_expert, me: int) -> ExchangePlan:
+    """``plan_exchange`` of the flat all-to-all (``flat_stages``) in numpy: the same plan,
+    without a Python loop over the group's blocks (the hot path's)."""
+    kept = np.asarray(kept, dtype=np.int64)
+    p, num_experts = kept.shape
+    owner = np.array([owner_of_expert(e) for e in range(num_experts)], dtype=np.int64)
+    my = members.index(me)
+    group = np.array(sorted(range(p), key=lambda m: members[m]))  # EP indices in process-group order
+    place = np.empty(p, dtype=np.int64)
+    place[group] = np.arange(p)
+    # send: my blocks (my, e), held in expert order, go by (destination's place, expert)
+    mine = kept[my]
+    held_at = np.concatenate([[0], np.cumsum(mine)[:-1]])
+    sent = np.flatnonzero(mine > 0)
+    sent = sent[np.lexsort((sent, place[owner[sent]]))]
+    send_rows = ranges(held_at[sent], mine[sent])
+    send_splits = np.bincount(place[owner], weights=mine, minlength=p).astype(np.int64)
+    # receive: every member's blocks of my experts, senders in group order, experts in order
+    my_experts = np.flatnonzero(owner == my)
+    got = kept[group][:, my_experts]  # [senders in group order, my experts]
+    recv_splits = got.sum(axis=1)
+    sizes = got.reshape(-1)
+    at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    src = np.repeat(group, len(my_experts))
+    expert = np.tile(my_experts, p)
+    nz = np.flatnonzero(sizes > 0)
+    layout = nz[np.lexsort((src[nz], expert[nz]))]  # expert layout: by (expert, source)
+    stage = StagePlan(tuple(members[m] for m in group), send_rows, send_splits.tolist(), recv_splits.tolist())
+    return ExchangePlan([stage], ranges(at[layout], sizes[layout]), kept[:, my_experts].sum(axis=0))
+
+
 def plan_exchange(kept: np.ndarray, members: list[int], owner_of_expert, stages, me: int) -> ExchangePlan:
     """The exchange plan of rank ``me``.
 

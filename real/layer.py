@@ -25,7 +25,7 @@ import torch
 
 from real.clock import mark
 from real.comm import AllGather, AllToAll, ReduceScatter
-from real.exchange_plan import flat_stages, hierarchical_stages, plan_exchange
+from real.exchange_plan import hierarchical_stages, plan_exchange, plan_flat
 from real.experts import PagedExpertFFN, combine_slots, source_slots
 from real.pipeline import Exchange, PipelinedExchange, plan_chunks
 from testbed.capacity import kept_counts
@@ -137,10 +137,9 @@ class LayerRunner:
         kept = plan.kept[lay.rank_of[g]]  # [P, E] in EP-index order
         owner = lambda e: e // lay.experts_per_rank  # noqa: E731
         if r.scenario.comm.token_strategy == "hierarchical":
-            stages = hierarchical_stages(lay.index_of[r.planner.grids[g]], owner)
+            xp = plan_exchange(kept, members, owner, hierarchical_stages(lay.index_of[r.planner.grids[g]], owner), r.rank)
         else:
-            stages = flat_stages(lay.ep_size, owner)
-        xp = plan_exchange(kept, members, owner, stages, r.rank)
+            xp = plan_flat(kept, members, owner, r.rank)
         dev = x_TH.device
         perms = [torch.as_tensor(st.send_rows, dtype=torch.long, device=dev) for st in xp.stages]
         expert_rows = torch.as_tensor(xp.expert_rows, dtype=torch.long, device=dev)
@@ -171,7 +170,7 @@ class LayerRunner:
         g = int(lay.group_of[r.rank])
         members = list(lay.ep_group(g))
         owner = lambda e: e // lay.experts_per_rank  # noqa: E731
-        xp = plan_exchange(plan.kept[lay.rank_of[g]], members, owner, flat_stages(lay.ep_size, owner), r.rank)
+        xp = plan_flat(plan.kept[lay.rank_of[g]], members, owner, r.rank)
         (st,) = xp.stages
         dev = x_TH.device
         chunks = plan_chunks(st.send_splits, st.recv_splits, xp.expert_rows, xp.expert_counts,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from real.exchange_plan import ranges
 from testbed.micro_batches import chunk_rows, chunk_start
 
 
@@ -48,7 +49,7 @@ def plan_chunks(send_splits, recv_splits, expert_rows: np.ndarray, expert_counts
     local = np.empty(total, dtype=np.int64)  # -> position in that micro-batch's receive buffer
     for i in range(n):
         rows, start = chunk_rows(recv, n, i), chunk_start(recv, n, i)
-        at = _ranges(recv_at + start, rows)
+        at = ranges(recv_at + start, rows)
         chunk_of[at] = i
         local[at] = np.arange(len(at))
     expert_of = np.repeat(np.arange(len(expert_counts)), expert_counts)  # of each expert-layout row
@@ -58,19 +59,10 @@ def plan_chunks(send_splits, recv_splits, expert_rows: np.ndarray, expert_counts
         chunks.append(Chunk(
             send_splits=chunk_rows(send, n, i).tolist(),
             recv_splits=chunk_rows(recv, n, i).tolist(),
-            send_rows=torch.as_tensor(_ranges(send_at + chunk_start(send, n, i), chunk_rows(send, n, i)), device=device),
+            send_rows=torch.as_tensor(ranges(send_at + chunk_start(send, n, i), chunk_rows(send, n, i)), device=device),
             expert_rows=torch.as_tensor(local[expert_rows[in_chunk]], device=device),
             expert_counts=np.bincount(expert_of[in_chunk], minlength=len(expert_counts)).tolist()))
     return chunks
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(start, start + length)`` for each pair."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.sum() == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(lengths.sum())
 
 
 @dataclass

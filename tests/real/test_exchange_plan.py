@@ -4,7 +4,7 @@ layout, whatever the stages (flat or hierarchical, any placement)."""
 import numpy as np
 import pytest
 
-from real.exchange_plan import flat_stages, hierarchical_stages, plan_exchange
+from real.exchange_plan import flat_stages, hierarchical_stages, plan_exchange, plan_flat
 
 
 def simulate(kept, members, owner, stages):
@@ -45,3 +45,26 @@ def test_every_slot_reaches_its_expert(seed, grid):
     owner = lambda e: e // 2  # noqa: E731
     stages = flat_stages(4, owner) if grid is None else hierarchical_stages(np.array(grid), owner)
     simulate(kept, members, owner, stages)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_numpy_flat_plan_is_the_general_plan(seed):
+    """``plan_flat`` (the hot path's) gives every rank the plan ``plan_exchange`` gives
+    it for the flat stages: members in any rank order, experts owned anywhere, empty
+    blocks and empty members included."""
+    rng = np.random.default_rng(seed)
+    p = int(rng.integers(1, 7))
+    per = int(rng.integers(1, 4))
+    kept = rng.integers(0, 4, size=(p, p * per)) * (rng.random((p, p * per)) < 0.7)
+    members = [int(m) for m in rng.permutation(np.arange(10, 10 + 3 * p, 3))]
+    owners = rng.permutation(np.repeat(np.arange(p), per))
+    owner = lambda e: int(owners[e])  # noqa: E731
+    for me in members:
+        general = plan_exchange(kept, members, owner, flat_stages(p, owner), me)
+        fast = plan_flat(kept, members, owner, me)
+        (g,), (f,) = general.stages, fast.stages
+        assert f.group == g.group
+        assert f.send_rows.tolist() == g.send_rows.tolist()
+        assert f.send_splits == g.send_splits and f.recv_splits == g.recv_splits
+        assert fast.expert_rows.tolist() == general.expert_rows.tolist()
+        assert fast.expert_counts.tolist() == general.expert_counts.tolist()
