@@ -180,17 +180,22 @@ class PagedExpertStore:
     def _execute(self, moves: PageMoves, incoming) -> int:
         host_device = 0
         experts = moves.expert.tolist()  # plain ints: this loop runs once per page
-        rows = zip(experts, moves.page.tolist(), moves.slot.tolist(), moves.src.tolist(), moves.dst.tolist(),
-                   moves.reason.tolist(), moves.nbytes.tolist())
+        rows = list(zip(experts, moves.page.tolist(), moves.slot.tolist(), moves.src.tolist(), moves.dst.tolist(),
+                        moves.reason.tolist(), moves.nbytes.tolist()))
+        run_end = -1  # rows before it were loaded by the last batched copy
         for k, (inst, index, slot, src, dst, reason, nbytes) in enumerate(rows):
             page = self._pages[inst][index]
             if reason == UPDATE:
                 continue  # the gradient is shipped by ``update``
-            if dst == GPU and src == HOST:
-                view = self._host_view(page)
-                self._to_slot(page, slot, view)
-                host_device += view.numel() * self.elem
-                self._page_copied(page)
+            if dst == GPU and src == HOST and k < run_end:
+                pass  # copied with the run it belongs to
+            elif dst == GPU and src == HOST:
+                run_end = k + self._load_run(rows, k)
+                for inst_j, index_j, slot_j, *_ in rows[k:run_end]:
+                    page_j = self._pages[inst_j][index_j]
+                    self.loc[page_j], self.slot_of[page_j] = GPU, slot_j
+                    host_device += self._host_view(page_j).numel() * self.elem
+                    self._page_copied(page_j)
             elif dst == GPU and src == PEER:
                 _, start, n = self._page_range(page)
                 self._to_slot(page, slot, incoming[inst][start:start + n].to(self.device))
@@ -208,6 +213,33 @@ class PagedExpertStore:
             if k + 1 == len(experts) or experts[k + 1] != inst:
                 self._copied(inst)
         return host_device
+
+    def _load_run(self, rows, k: int) -> int:
+        """Copy the host -> device loads that start at row ``k`` as one copy where they
+        are whole pages of one expert, in page order, into consecutive slots of the pool
+        (the pager's usual pattern; an expert's short last page and slots past the pool
+        are copies of their own); returns how many rows it copied (at least 1). With
+        ``page_events`` every page is its own copy: compute waits for each (M14)."""
+        inst, index, slot = rows[k][:3]
+        n = 1
+        if not self.page_events:
+            while k + n < len(rows):
+                i2, p2, s2, src2, dst2, reason2, _ = rows[k + n]
+                if (i2, p2, s2, src2, dst2) != (inst, index + n, slot + n, HOST, GPU) or reason2 == UPDATE:
+                    break
+                n += 1
+        whole = 0  # the run's leading whole pages (an expert's last page may be shorter)
+        while whole < n and self._page_range(self._pages[inst][index + whole])[2] == self.slot_elems:
+            whole += 1
+        n = min(whole, len(self.pool) - slot)  # overflow slots are tensors of their own
+        if n > 1:
+            start = self._page_range(self._pages[inst][index])[1]
+            self.pool[slot:slot + n].view(-1).copy_(self.host[inst][start:start + n * self.slot_elems],
+                                                    non_blocking=True)
+            return n
+        page = self._pages[inst][index]
+        self._to_slot(page, slot, self._host_view(page))
+        return 1
 
     def _free_unused_slots(self) -> None:
         live = set(self.slot_of[self.loc == GPU].tolist())

@@ -71,3 +71,19 @@ def test_pages_always_hold_the_reference_weights(budget, ops, seed):
             if i not in stale:
                 assert torch.equal(store.read(i), shadow[i]), (kind, i)
     assert store.device_bytes <= max(pager.used_slots, 0) * 16 + 16
+
+
+def test_an_experts_whole_pages_into_consecutive_slots_are_one_copy(monkeypatch):
+    """Loading an expert into an empty pool: its two whole pages go into consecutive slots
+    in one copy (its last, partial page is a copy of its own); the data is the expert's."""
+    pager, store, shadow = make(budget_pages=12)
+    singles = []
+    to_slot = store._to_slot
+    monkeypatch.setattr(store, "_to_slot", lambda page, slot, data: singles.append(page) or to_slot(page, slot, data))
+    to_host = pager.heat_update(np.ones(5, bool), np.full(5, COLD), np.zeros(5, bool), 0)
+    store.execute(to_host)
+    moves = pager.access([3], 1)
+    loads = len(moves)
+    store.execute(moves)
+    assert loads == 3 and len(singles) == 1  # pages 0 and 1 together, page 2 alone
+    assert torch.equal(store.read(3), shadow[3])
