@@ -76,6 +76,11 @@ class RankState:
         self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None
         self.timer = ExpertTimer(self.device.type == "cuda") if s.heat.compute_source == "measured" else None
         self.grouped = grouped_supported(self.device, self.dtype, m.hidden_size, m.ffn_hidden_size)
+        # M22 local-first routing: router.local_bias on the logits of this rank's local experts
+        self.local_bias_E = None
+        if s.router.local_bias > 0:
+            local = self.layout.local_expert_mask(s.router.local_scope)[self.rank]
+            self.local_bias_E = torch.as_tensor(local * s.router.local_bias, dtype=torch.float32, device=self.device)
         self.router = []
         for layer in range(m.num_layers):
             w, b = initial_router(s.run.seed, layer, s)

@@ -9,7 +9,7 @@ Routing and capacity are written here from the mechanisms' formulas
 (``docs/mechanisms.md``), not with the router and capacity code the run uses, so that a
 mistake there is not made twice:
 
-- M1: logits = x W^T + b, plus Gumbel noise -log(-log u) (u drawn from the run's
+- M1: logits = x W^T + b (+ M22's local-first bias on the rank's local experts), plus Gumbel noise -log(-log u) (u drawn from the run's
   per-(step, layer, rank) generator on the ranks' device, clamped to [1e-9, 1 - 1e-9]); softmax at the
   temperature t(step) = start + min(1, step / steps) (end - start); the top-k experts;
   their probabilities renormalised to sum to 1.
@@ -33,6 +33,7 @@ from real.layer import noise_generator
 from real.rank_state import TORCH_DTYPES, initial_expert_flat, initial_router
 from real.task import SyntheticTask
 from testbed.scenario import Scenario
+from testbed.topology import Layout
 
 
 def capacity_of(scenario: Scenario) -> int | None:
@@ -45,12 +46,12 @@ def capacity_of(scenario: Scenario) -> int | None:
     return math.ceil(c / ep) * ep if s.router.pad_capacity_to_ep and ep > 1 else c
 
 
-def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torch.Generator):
+def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torch.Generator, local_bias=0.0):
     """M1-M3 for one rank's tokens: ([(token, slot, expert, probability)] of the kept
-    slots, the aux loss)."""
+    slots, the aux loss). ``local_bias``: M22's local-first bias per expert (a tensor), or 0."""
     r, k = scenario.router, scenario.model.top_k
     tokens, experts = x_TH.shape[0], w_EH.shape[0]
-    logits = x_TH.float() @ w_EH.t() + b_E
+    logits = x_TH.float() @ w_EH.t() + b_E + local_bias
     if r.noise == "gumbel":  # drawn where the run draws it (its ranks' device), computed here
         u = torch.rand((tokens, experts), generator=noise, device=noise.device).cpu().clamp(1e-9, 1 - 1e-9)
         logits = logits - torch.log(-torch.log(u))
@@ -93,6 +94,9 @@ def reference_run(scenario: Scenario, steps: int | None = None, noise_device: st
                for i in range(m.num_layers * num_experts)}
     task = SyntheticTask(s)
     lr = s.run.learning_rate
+    # M22: router.local_bias on the logits of the experts local to each rank's node (or micro-cluster)
+    local = torch.as_tensor(Layout(s).local_expert_mask(s.router.local_scope) * s.router.local_bias,
+                            dtype=torch.float32)
     out = []
     for step in range(s.run.steps if steps is None else steps):
         outputs, losses, total = [], [], torch.zeros(())
@@ -103,7 +107,8 @@ def reference_run(scenario: Scenario, steps: int | None = None, noise_device: st
             for layer in range(m.num_layers):
                 w_EH, b_E = routers[layer]
                 kept, aux = route_by_formula(h, w_EH, b_E, s, step,
-                                              noise_generator(s.run.seed, step, layer, rank, noise_device))
+                                              noise_generator(s.run.seed, step, layer, rank, noise_device),
+                                              local[rank])
                 moe = [torch.zeros(m.hidden_size, dtype=dtype) for _ in range(h.shape[0])]
                 for tok, _, e, p in kept:
                     w1, w2 = split_flat(experts[layer * num_experts + e], m.hidden_size, m.ffn_hidden_size)

@@ -47,10 +47,14 @@ def init_router_params(hidden: int, experts: int, cfg: RouterConfig, generator: 
 
 def route(x_TH: torch.Tensor, weight_EH: torch.Tensor, bias_E: torch.Tensor, cfg: RouterConfig,
           top_k: int, capacity: int | None, step: int, noise: torch.Generator | None,
-          training: bool = True) -> Routing:
-    """Route ``x_TH``. ``noise`` seeds the Gumbel noise (required when training with noise)."""
+          training: bool = True, local_bias_E: torch.Tensor | None = None) -> Routing:
+    """Route ``x_TH``. ``noise`` seeds the Gumbel noise (required when training with noise).
+    ``local_bias_E``: M22's local-first bias, added to the logits (``router.local_bias``
+    on this rank's local experts, 0 elsewhere; not learnt)."""
     num_experts = weight_EH.shape[0]
     logits_TE = x_TH.float() @ weight_EH.t() + bias_E
+    if local_bias_E is not None:
+        logits_TE = logits_TE + local_bias_E
     if training:
         if cfg.noise == "gumbel":
             # drawn where the generator lives: the rank's device, so that the hot path does not

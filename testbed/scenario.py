@@ -115,6 +115,12 @@ class RouterConfig:
     aux_loss_coef: float = doc("alpha of the Switch aux load-balancing loss (M3)", 0.01, check=non_negative)
     weight_std: float = doc("std of the gate weight initialisation", 0.02, check=non_negative)
     bias_std: float = doc("std of the gate bias initialisation (M1: 0.01)", 0.01, check=non_negative)
+    local_bias: float = doc("M22 local-first routing: added to the gate logits of experts whose replica for the "
+                            "token's EP group sits in the token's node (router.local_scope); 0 = off. A top-1 "
+                            "choice then picks such an expert e^local_bias times as often, relative to the others",
+                            0.0, check=non_negative)
+    local_scope: str = doc("where router.local_bias counts an expert as local: node or microcluster", "node",
+                           choices=("node", "microcluster"))
 
 
 @dataclass

@@ -106,6 +106,14 @@ class Layout:
         """Rank that serves ``expert`` for the tokens of EP group ``group``."""
         return int(self.rank_of[group, self.shard_of_expert(expert)])
 
+    def local_expert_mask(self, scope: str = "node") -> np.ndarray:
+        """[W, E] bool: expert e's replica for rank r's EP group sits in r's node (or
+        micro-cluster): its tokens reach it without crossing a NIC (or the spine). M22's
+        local-first routing bias favours these."""
+        where = self.node if scope == "node" else self.microcluster
+        holder = self.rank_of[self.group_of][:, np.arange(self.num_experts) // self.experts_per_rank]  # [W, E]
+        return where(holder) == where(np.arange(self.world))[:, None]
+
     # ---- hierarchical all-to-all (M7, Tutel 2DH) -----------------------------------------
     def node_grid(self, g: int) -> np.ndarray:
         """EP group ``g`` as a (nodes, members per node) grid of ranks, rows by node.

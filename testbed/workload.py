@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from testbed.scenario import Scenario
+from testbed.topology import Layout
 
 
 class SyntheticWorkload:
@@ -34,6 +35,9 @@ class SyntheticWorkload:
         self.world = scenario.world_size
         self._zipf = 1.0 / np.arange(1, self.experts + 1) ** self.skew  # weight of rank k
         self._zipf /= self._zipf.sum()
+        self.local_bias = scenario.router.local_bias
+        #: [W, E] experts local to each rank (M22's local-first bias)
+        self.local = Layout(scenario).local_expert_mask(scenario.router.local_scope) if self.local_bias else None
         self._reset()
 
     def _reset(self) -> None:
@@ -68,6 +72,18 @@ class SyntheticWorkload:
         global_p = self._zipf[self._ranking]  # [L, E]
         return (1 - self.locality) * global_p[:, None, :] + self._local_term
 
+    def routing_popularity(self, step: int) -> np.ndarray:
+        """[L, W, E] what the router makes of ``popularity``: with M22's local-first bias
+        (``router.local_bias`` = b on the logits of rank w's local experts) a top-1 choice
+        picks a local expert e^b times as often relative to the others (the Gumbel-max
+        trick: argmax of logits + Gumbel noise samples softmax(logits)), so each rank's
+        popularity of its local experts is multiplied by e^b and renormalised."""
+        p = self.popularity(step)
+        if self.local_bias == 0:
+            return p
+        weighted = p * np.exp(self.local_bias * self.local)[None, :, :]
+        return weighted / weighted.sum(axis=2, keepdims=True)
+
     def routed_counts(self, step: int) -> np.ndarray:
         """[L, W, E] int32 token slots routed to each expert (before capacity).
 
@@ -75,7 +91,7 @@ class SyntheticWorkload:
         slots from one rank (a token picks distinct experts): excess slots are
         re-drawn among experts with room.
         """
-        p = self.popularity(step)
+        p = self.routing_popularity(step)
         rng = np.random.default_rng([self.seed, step, 0xC0DE])
         counts = rng.multinomial(self.tokens * self.top_k, p)
         for _ in range(64):
