@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import sys
 
-import plotly.graph_objects as go
-
-from testbed.experiment import Experiment, both, experiment_base, experiment_main, figure
-from testbed.html_page import LEVEL_COLORS, category_ticks, legend_below
+from testbed.experiment import Experiment, both, bytes_by_level_figure, experiment_base, experiment_main, figure
 from testbed.topology import LEVELS
 
 BIAS = "router.local_bias"
@@ -52,15 +49,7 @@ def analyse(result) -> dict:
 
 
 def figures(result, headline) -> list:
-    pts = result.points()
-    labels = [p["label"] for p in pts]
-    fig = go.Figure()
-    for lv in LEVELS[:3]:
-        fig.add_trace(go.Bar(x=labels, y=[(figure(p, "sim", "bytes_by_level") or {}).get(lv, 0) / 2**20 for p in pts],
-                             name=lv, marker_color=LEVEL_COLORS[lv]))
-    fig.update_xaxes(category_ticks(labels))
-    fig.update_yaxes(title="MiB per step (planner payload, all ranks)")
-    return [legend_below(fig, "Bytes per link level by local-first bias (simulated)", 480, barmode="stack")]
+    return [bytes_by_level_figure(result, "Bytes per link level by local-first bias (simulated)")]
 
 
 EXPERIMENT = Experiment(

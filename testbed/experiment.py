@@ -253,6 +253,25 @@ def both(point: dict, key: str, fmt: Callable[[float], str]) -> str:
     return " / ".join("—" if (v := figure(point, b, key)) is None else fmt(v) for b in ("sim", "real"))
 
 
+def bytes_by_level_figure(result, title: str):
+    """A stacked bar chart of the simulated bytes per link level (MiB per step, all ranks)
+    of every point of a sweep: the planner's payload for the routing each point ran."""
+    import plotly.graph_objects as go
+
+    from testbed.html_page import LEVEL_COLORS, category_ticks, legend_below
+    from testbed.topology import LEVELS
+
+    pts = result.points()
+    labels = [p["label"] for p in pts]
+    fig = go.Figure()
+    for lv in LEVELS[:3]:
+        fig.add_trace(go.Bar(x=labels, y=[(figure(p, "sim", "bytes_by_level") or {}).get(lv, 0) / 2**20 for p in pts],
+                             name=lv, marker_color=LEVEL_COLORS[lv]))
+    fig.update_xaxes(category_ticks(labels))
+    fig.update_yaxes(title="MiB per step (planner payload, all ranks)")
+    return legend_below(fig, title, 480, barmode="stack")
+
+
 #: the report column of peak memory per GPU (MiB), simulated / measured
 PEAK_MEMORY_COLUMN = ("peak memory sim / real",
                       lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))
