@@ -361,6 +361,9 @@ def c4(ledger: Ledger) -> Claim:
     return c
 
 
+DISCOVERY_BOUND_S = 0.8e-3  # C5: the seed's bound on one discovery round
+
+
 def c5(ledger: Ledger) -> Claim:
     c = Claim("C5")
     mod, res = ledger.experiment("sweep_group_cache")
@@ -399,17 +402,21 @@ def c5(ledger: Ledger) -> Claim:
             if rate is None:
                 continue
             key = f"{label}, cache size {scenario_of(runs[0]).comm.group_cache_size}, {side(backend)}"
-            c.add(key, runs, group_cache_hit_rate=rate)
+            discovery = mean(s.get("discovery_s") for s in runs)
+            c.add(key, runs, group_cache_hit_rate=rate,
+                  **({"discovery_ms": 1e3 * discovery} if discovery is not None else {}))
             checks[key] = c5_check(rate)
+            if discovery is not None:
+                checks[f"{key}: discovery under 0.8 ms"] = discovery < DISCOVERY_BOUND_S
     verdict, ok = from_checks(checks)
     c.verdict = CONDITIONAL if verdict in (HOLDS, CONDITIONAL) else verdict
     smallest = "; ".join(f"{side(b)}: {n if n is not None else 'none of the sizes run'}" for b, n in reached.items())
     c.conditions = ("Only the hit-rate half is tested, over the measured steps (warm-up steps, whose compulsory "
                     f"misses fill the cache, are left out); smallest cache size reaching 99.2% - 0.5 pp: {smallest}. "
-                    "Discovery is not modelled: the simulator charges nothing for it (the profiles' "
-                    "collectives.discovery_us is not used); both backends discover active groups with one all-gather per step "
-                    "of every rank's kept-expert bit mask (in the expert_sync stage), not the seed's gossip on a "
-                    "miss, so the < 0.8 ms half is not tested."
+                    "Discovery is what both backends run: one all-gather per step of every rank's kept-expert bit "
+                    "mask (in the expert_sync stage; discovery_s, simulated or measured on the slowest rank), not the "
+                    "seed's gossip on a miss; its time is checked against the 0.8 ms bound at this testbed's scale "
+                    "(a few ranks), not at the seed's."
                     + (f" Agrees on: {_names(ok)}." if verdict == CONDITIONAL else ""))
     rates = ", ".join(f"{k}: {100 * v['group_cache_hit_rate']:.1f}%" for k, v in c.numbers.items())
     c.why = f"Group-cache hit rate {rates} (claimed 99.2%)."

@@ -64,6 +64,7 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
                          frozen_fraction({i: g["frozen"] for i, g in enumerate(gathered)},
                                          sum(g["local_experts"] for g in gathered))),
         wire_bytes_by_level=wire_bytes_by_level,
+        discovery_s=max((g["discovery_s"] for g in gathered if g.get("discovery_s") is not None), default=None),
     )
 
 

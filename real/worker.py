@@ -28,6 +28,7 @@ The rank's state (weights, pager, groups, collectives) is a ``RankState``.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class RankRunner:
     def step(self, step: int, control) -> None:
         s, st = self.s, self.st
         st.begin_step(step)
+        self.discovery_s = None
         x_TH, y_TH = (t.to(st.device) for t in self.task.batch(step, st.rank))
         # every rank starts the timed step together: the testbed's own metrics exchange at
         # the end of the previous step is not training work, and without this the other
@@ -171,6 +173,7 @@ class RankRunner:
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
             "routed": int(routed.sum()), "dropped": int(routed.sum() - kept.sum()),
+            "discovery_s": self.discovery_s,
         }
         for name, t0, t1 in regions:
             self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
@@ -215,18 +218,23 @@ class RankRunner:
         """``_discover``'s all-gather, issued now (stage expert_sync); returns a function
         that waits for it and gives its answer."""
         st = self.st
+        t0 = time.perf_counter()
         bits = torch.from_numpy(np.packbits(kept_LE.reshape(-1) > 0)).to(st.device)
         op = own_op(st.planner.discovery_ops(), st.rank, bits)
         if op is None:
             return lambda: None
         lay = st.layout
         got, work = st.comm.all_gather(bits, op.members, st.groups.get(op.members), async_op=True, stage="expert_sync")
+        issued = time.perf_counter() - t0
 
         def answer():
+            t1 = time.perf_counter()
             if work is not None:
                 work.wait()
             used = np.unpackbits(got.view(len(op.members), -1).cpu().numpy(), axis=1, count=kept_LE.size)
             used = used.astype(bool).reshape((lay.world,) + kept_LE.shape)
+            # its cost to this rank: issuing it and waiting for it (not the work done between)
+            self.discovery_s = issued + time.perf_counter() - t1
             return used[lay.rank_of].any(axis=1).transpose(1, 0, 2)  # [R, P, L, E] -> [L, R, E]
         return answer
 

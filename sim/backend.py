@@ -172,6 +172,7 @@ class SimBackend:
                 d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
                 ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
                 record = _record(step, sim, d, fig, faults, ledger)
+                record.discovery_s = discovery_seconds(tl)
                 records.append(record)
                 layer_times.append(fig.layer_time_s)
                 trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,
@@ -203,6 +204,13 @@ class SimBackend:
         }
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
         return RunResult(s, records, trace, routing_trace, extra)
+
+
+def discovery_seconds(tl) -> float | None:
+    """Seconds the step's M10 discovery all-gather took (its op in the timeline), or None."""
+    spans = [end - start for op, start, end in tl.ops if op.layer < 0 and op.stage == "expert_sync"
+             and op.kind == "all_gather"]
+    return max(spans) if spans else None
 
 
 def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: ByteLedger | None = None) -> StepRecord:

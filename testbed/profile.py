@@ -225,8 +225,10 @@ class CollectiveFigures:
     latency_us: float = _num("fixed software cost of one collective call, us", non_negative)
     group_create_ms: float = _num("creating a new communicator for an uncached group (M10), ms", non_negative)
     group_create_scope: str = _text("who pays for a new communicator: members (NCCL) or all ranks (torch new_group on gloo)", ("members", "all"))
-    discovery_us: float = _num("one active-group discovery round on a cache miss (M10), us", non_negative)
     communicator_MiB: float = _num("device memory one communicator holds on each member (M10), MiB", non_negative)
+    discovery_us: float = _optional_num("retired: discovery (M10) is the all-gather of every rank's kept-expert bit "
+                                        "masks, timed as any collective (StepRecord.discovery_s); older profiles "
+                                        "that still give a figure load, and it is not used", 0.0)
     step_latency_us: float = _optional_num(
         "software cost of each sequential step of an algorithm (a message arrives, the rank wakes and sends the "
         "next one; on CPU ranks that share cores, mostly the scheduler's wake-up), us; default 0", 0.0)

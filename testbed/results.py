@@ -45,6 +45,10 @@ class StepRecord:
     frozen_fraction: float | None = None  # after a heat update: share of all ranks' local experts frozen (M13, M19)
     wire_bytes_by_level: dict[str, int] | None = None  # nvlink, leaf, spine (see module doc)
     fitted_share: float | None = None  # simulator: fraction of the step's time from fitted constants
+    # M10: seconds of the step's active-group discovery (the all-gather of every rank's kept-expert
+    # bit masks): the simulated op's time, or on real ranks the slowest rank's time issuing and
+    # waiting for it; None where no discovery runs (one replica)
+    discovery_s: float | None = None
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -86,6 +90,7 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
         "group_cache_hit_rate": (sum(r.cache_hits for r in measured) / lookups) if lookups else None,
         "wire_bytes_by_level": _mean_levels([r.wire_bytes_by_level for r in measured]),
         "fitted_share": statistics.median(f) if (f := [r.fitted_share for r in measured if r.fitted_share is not None]) else None,
+        "discovery_s": statistics.median(d) if (d := [r.discovery_s for r in measured if r.discovery_s is not None]) else None,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
     })
