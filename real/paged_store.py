@@ -61,6 +61,8 @@ class PagedExpertStore:
         self.loc = np.full(len(pager.location), HOST, dtype=np.int8)
         self.slot_of = np.full(len(pager.location), -1, dtype=np.int64)
         self.modified = np.zeros(len(pager.location), dtype=bool)
+        #: reads of each page by a computation (C9's page-access record, testbed.page_access)
+        self.page_reads = np.zeros(len(pager.location), dtype=np.int64)
         self._pages = {int(inst): range(k * pager.pages_per_expert, (k + 1) * pager.pages_per_expert)
                        for k, inst in enumerate(pager.experts)}  # instance -> its page numbers
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -253,6 +255,7 @@ class PagedExpertStore:
         self.wait_for(instance)
         if out is None:
             out = torch.empty(self.expert_elems, dtype=self.dtype, device=self.device)
+        self.page_reads[self._pages[instance].start:self._pages[instance].stop] += 1
         for page in self._pages[instance]:
             _, start, n = self._page_range(page)
             if self.loc[page] == GPU:
@@ -277,6 +280,7 @@ class PagedExpertStore:
         the others were complete by then). A page at home on the host is copied over as
         it is reached."""
         for page in self._pages[instance]:
+            self.page_reads[page] += 1
             _, start, n = self._page_range(page)
             ev = self._page_ready.get(page)
             if ev is not None:

@@ -345,6 +345,8 @@ class RankRunner:
             self.capture["final_router"] = [(w.detach().cpu().clone(), b.detach().cpu().clone()) for w, b in st.router]
             self.capture["heat_states"] = st.controller.heat.states
             self.capture["blocked_experts"] = st.blocked_experts
+            if st.store is not None:
+                self.capture["page_reads"] = st.store.page_reads.copy()  # [local pages], pager numbering
         events = [None] * self.world if self.st.rank == 0 else None
         dist.gather_object(self.trace, events, dst=0)
         routing = [None] * self.world if self.st.rank == 0 else None
