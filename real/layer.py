@@ -84,7 +84,7 @@ class LayerRunner:
             expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
         clock.switch("experts")
         expert_in = mark(expert_in, clock, "dispatch_backward", hook=lambda: r.experts_done(layer))
-        y_RH = PagedExpertFFN.apply(expert_in, r.read_weights, instances, counts_e,
+        y_RH = PagedExpertFFN.apply(expert_in, r.compute_weights, instances, counts_e,
                                     s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped,
                                     r.read_blocks)
         y_RH = mark(y_RH, clock, "experts_backward")
@@ -178,7 +178,7 @@ class LayerRunner:
         m = s.model
 
         def experts(rows, counts):
-            return PagedExpertFFN.apply(rows, r.read_weights, instances, counts, m.hidden_size, m.ffn_hidden_size,
+            return PagedExpertFFN.apply(rows, r.compute_weights, instances, counts, m.hidden_size, m.ffn_hidden_size,
                                         r.grads, r.timer, r.grouped, r.read_blocks)
 
         ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks, experts,

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from testbed.page_moves import GPU, HOST, NONE, PEER, UPDATE, PageMoves
+from testbed.page_moves import DEFRAG, GPU, HOST, NONE, PEER, UPDATE, PageMoves
 from testbed.pager import RankPager
 
 
@@ -63,6 +63,7 @@ class PagedExpertStore:
         self.modified = np.zeros(len(pager.location), dtype=bool)
         #: reads of each page by a computation (C9's page-access record, testbed.page_access)
         self.page_reads = np.zeros(len(pager.location), dtype=np.int64)
+        self.defrag_bytes = 0  # bytes moved device to device by M17's compactions
         self._pages = {int(inst): range(k * pager.pages_per_expert, (k + 1) * pager.pages_per_expert)
                        for k, inst in enumerate(pager.experts)}  # instance -> its page numbers
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -189,8 +190,13 @@ class PagedExpertStore:
             page = self._pages[inst][index]
             if reason == UPDATE:
                 continue  # the gradient is shipped by ``update``
-            if dst == GPU and src == HOST and k < run_end:
+            if k < run_end:
                 pass  # copied with the run it belongs to
+            elif reason == DEFRAG:  # M17: every defrag row of the run at once, one permutation of the pool
+                run_end = k + 1
+                while run_end < len(rows) and rows[run_end][5] == DEFRAG:
+                    run_end += 1
+                self._compact([(self._pages[i][j], s) for i, j, s, *_ in rows[k:run_end]])
             elif dst == GPU and src == HOST:
                 run_end = k + self._load_run(rows, k)
                 for inst_j, index_j, slot_j, *_ in rows[k:run_end]:
@@ -215,6 +221,20 @@ class PagedExpertStore:
             if k + 1 == len(experts) or experts[k + 1] != inst:
                 self._copied(inst)
         return host_device
+
+    def _compact(self, moves: list[tuple[int, int]]) -> None:
+        """M17: (page, new slot) pairs, done together: every page's data is read from its
+        old slot before any is written (the moves may form cycles). Device to device, on
+        the copy stream: loads issued after it queue behind it."""
+        old = [self._slot_tensor(int(self.slot_of[p])) for p, _ in moves]
+        staged = torch.stack(old) if old else None  # a copy of every moving page first
+        for (page, slot), data in zip(moves, staged if staged is not None else []):
+            self._slot_tensor(slot).copy_(data)
+            self.slot_of[page] = slot
+            self._page_copied(page)
+        if staged is not None:
+            self._keep_alive(staged)
+        self.defrag_bytes += len(moves) * self.slot_elems * self.elem
 
     def _load_run(self, rows, k: int) -> int:
         """Copy the host -> device loads that start at row ``k`` as one copy where they
@@ -266,6 +286,21 @@ class PagedExpertStore:
             else:
                 raise RuntimeError(f"expert instance {instance}: page {page} has no valid copy (stale replica)")
         return out
+
+    def view(self, instance: int) -> torch.Tensor | None:
+        """``instance``'s flat weights as a view of the device pool, without a copy, when
+        every page is on the GPU in consecutive slots of the pool in page order (what
+        M17's compaction makes); None otherwise (``read`` copies). For reading: compute
+        waits for the instance's copies first (CUDA)."""
+        pages = self._pages[instance]
+        if not np.all(self.loc[pages.start:pages.stop] == GPU):
+            return None
+        slots = self.slot_of[pages.start:pages.stop]
+        if not (np.all(np.diff(slots) == 1) and slots[-1] < len(self.pool)):
+            return None
+        self.wait_for(instance)
+        self.page_reads[pages.start:pages.stop] += 1
+        return self.pool[int(slots[0]):int(slots[-1]) + 1].view(-1)[:self.expert_elems]
 
     def pending(self, instance: int) -> bool:
         """Whether some page of ``instance`` is still being copied in (CUDA, with

@@ -133,6 +133,18 @@ class RankState:
             return self.store.read(instance, out)
         return out.copy_(self.unpaged[instance]) if out is not None else self.unpaged[instance].clone()
 
+    def compute_weights(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """An expert's flat weights for compute (read, never written): without a copy
+        where they lie in one piece - the unpaged tensor, or pages in consecutive pool
+        slots (``PagedExpertStore.view``, M17) - else a copy (into ``out`` if given)."""
+        if out is None:
+            if self.store is None:
+                return self.unpaged[instance]
+            whole = self.store.view(instance)
+            if whole is not None:
+                return whole
+        return self.read_weights(instance, out)
+
     def read_blocks(self, instance: int):
         """M14: the pages of ``instance`` to compute on as they arrive (``pager.pipeline_pages``)
         while some are still being copied in, else None (read it whole). ``force_blocks``

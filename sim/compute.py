@@ -117,6 +117,11 @@ class ComputeModel:
         """Seconds to copy one page host <-> device: latency + bytes / table bandwidth."""
         return self.profile.copy.time(page_bytes)
 
+    def defrag_time(self, nbytes):
+        """Seconds to move ``nbytes`` of pages between device slots (M17): read and write
+        each byte once at the device's memory bandwidth, staged through a buffer (twice)."""
+        return 4.0 * np.asarray(nbytes, dtype=np.float64) / self.memory_bw * self.scale
+
     def page_read_time(self, pages):
         """Host seconds to read ``pages`` pages of expert weights to compute (a CPU rank's
         per-page cost, ``copy.read_page_us``; 0 on GPU profiles)."""

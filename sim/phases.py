@@ -107,8 +107,16 @@ def page_copy(moves: MovesByRank, world: int):
         h2d[ranks] += m.nbytes[load].sum()
         d2h[ranks] += m.nbytes[out].sum()
         pages[ranks] += int(load.sum() + out.sum())
-        slots[ranks] += int((m.dst == GPU).sum() - ((m.src == GPU) & (m.dst != GPU)).sum())
+        slots[ranks] += int(((m.dst == GPU) & (m.src != GPU)).sum() - ((m.src == GPU) & (m.dst != GPU)).sum())
     return h2d, d2h, pages, slots
+
+
+def defrag_pages(moves: MovesByRank, world: int) -> np.ndarray:
+    """[W] pages each GPU moves from one device slot to another (M17's compaction)."""
+    out = np.zeros(world, dtype=np.int64)
+    for ranks, m in moves.groups():
+        out[ranks] += int(((m.src == GPU) & (m.dst == GPU)).sum())
+    return out
 
 
 def buffer_bytes(ops: list[CollectiveOp], world: int) -> np.ndarray:
@@ -253,6 +261,10 @@ class PhaseBuilder:
         moved = page_copy(MovesByRank.concat([d.sync.page_moves, d.end.page_moves]), w)
         self.host("paging", -1, moved[0] + moved[1])
         self.copy_phase(-1, moved)
+        compacted = defrag_pages(d.end.page_moves, w)
+        if compacted.any():  # M17: device to device on the copy stream; the next step's loads queue behind it
+            seconds = self.compute.defrag_time(compacted * self.page_bytes)
+            self.add("paging", -1, "wait", "copy", (self.main,), seconds=seconds)
         return self.phases
 
     def creation_seconds(self, sync: SyncPlan) -> np.ndarray:

@@ -335,7 +335,7 @@ class Controller:
         compute = tokens if compute_heat is None else np.asarray(compute_heat, dtype=np.float64)
         self._heat_pending.append((compute, memory, self._comm_heat_step))
         if not self.heat.is_due(self.step):
-            return StepEnd(None)
+            return StepEnd(None, self._defragment())
         pending, self._heat_pending = self._heat_pending, []
         computes = np.stack([c for c, _, _ in pending])  # [steps, L*E]
         if sum_over_ranks is not None:
@@ -354,5 +354,17 @@ class Controller:
                 per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
             moves = self.pool.call("heat_update", per_rank, self.step)
             frozen = {r: len(self.pool.pager_of(r).frozen_experts()) for r in self.paged_ranks}
-            return StepEnd(update, moves, heat_ops, frozen)
+            return StepEnd(update, MovesByRank.concat([moves, self._defragment()]), heat_ops, frozen)
         return StepEnd(update, moves, heat_ops)
+
+    def _defragment(self) -> MovesByRank:
+        """M17: at the step's end, compact the device pool of every paged GPU whose pool
+        is more fragmented than ``pager.defrag_threshold``, or of every one each
+        ``pager.defrag_interval`` steps (``RankPager.defragment``)."""
+        cfg = self.s.pager
+        if self.pool is None or not (cfg.defrag_threshold or cfg.defrag_interval):
+            return MovesByRank()
+        periodic = bool(cfg.defrag_interval) and (self.step + 1) % cfg.defrag_interval == 0
+        due = self.paged_ranks if periodic else self.pool.ranks_where(
+            lambda pager: pager.fragmentation > cfg.defrag_threshold, self.paged_ranks)
+        return self.pool.call("defragment", {int(r): () for r in due}) if len(due) else MovesByRank()

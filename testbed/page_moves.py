@@ -18,8 +18,8 @@ GPU, HOST, NONE = 0, 1, 2
 PEER = 3
 LOCATION_NAMES = ("gpu", "host", "none", "peer")
 
-REASONS = ("demand", "prefetch", "wake", "refresh", "cold", "emergency", "update", "stale")
-DEMAND, PREFETCH, WAKE, REFRESH, COLD_MIGRATION, EMERGENCY, UPDATE, STALE = range(len(REASONS))
+REASONS = ("demand", "prefetch", "wake", "refresh", "cold", "emergency", "update", "stale", "defrag")
+DEMAND, PREFETCH, WAKE, REFRESH, COLD_MIGRATION, EMERGENCY, UPDATE, STALE, DEFRAG = range(len(REASONS))
 
 
 @dataclass

@@ -28,6 +28,7 @@ from testbed import heat
 from testbed.page_moves import (  # noqa: F401  (re-exported: the pager's vocabulary)
     _MOVE_FIELDS,
     COLD_MIGRATION,
+    DEFRAG,
     DEMAND,
     EMERGENCY,
     GPU,
@@ -316,6 +317,37 @@ class RankPager:
         hot_loads = self._load_spare(hot[self._location[hot] == HOST], PREFETCH, step)
         self._frozen[np.unique(self._page_expert[hot[self._location[hot] == GPU]])] = False
         return PageMoves.concat([cold, wake_loads, hot_loads])
+
+    # ---- M17 defragmentation ------------------------------------------------------------
+    @property
+    def fragmentation(self) -> float:
+        """Share of the experts with two or more pages on the GPU whose resident pages do
+        not sit in consecutive slots in page order (0: none)."""
+        on_gpu = (self._location == GPU).reshape(len(self.experts), self.pages_per_expert)
+        many = np.flatnonzero(on_gpu.sum(axis=1) >= 2)
+        if not len(many):
+            return 0.0
+        slots = self._slot.reshape(len(self.experts), self.pages_per_expert)[many]
+        scattered = [not np.all(np.diff(row[row >= 0]) == 1) for row in slots]
+        return float(np.mean(scattered))
+
+    def defragment(self) -> PageMoves:
+        """M17: compact the pool. Every page on the GPU moves to a new slot so that each
+        expert's resident pages are consecutive, in page order, experts one after
+        another from slot 0 (overflow pages come back into the budget where there is
+        room). One GPU -> GPU row per page that changes slot (``slot`` is the new one; no
+        bytes cross a link): a backend moves them all at once, as one permutation of the
+        pool. Pins, dirty bits and host copies are unchanged: no page is lost."""
+        pages = np.flatnonzero(self._location == GPU)  # expert-major, page order
+        if not len(pages):
+            return PageMoves.empty()
+        new = np.arange(len(pages))
+        moving = self._slot[pages] != new
+        rows = self._rows(pages[moving], GPU, GPU, 0, DEFRAG, new[moving])
+        self._owner = np.full(max(self.capacity_slots, len(pages)), -1, dtype=np.int64)
+        self._owner[new] = pages
+        self._slot[pages] = new
+        return rows
 
     # ---- internals -----------------------------------------------------------------------
     def _local(self, experts: Sequence[int]) -> np.ndarray:

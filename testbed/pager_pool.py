@@ -124,6 +124,13 @@ class PagerPool:
         the rank's own ids when it is alone or the id row)."""
         return self.pagers[self.class_of[self.row_of[rank]]]
 
+    def ranks_where(self, test, ranks) -> list[int]:
+        """The ``ranks`` whose pager passes ``test(pager)``, asked once per pager class."""
+        ranks = [int(r) for r in ranks]
+        classes = self.class_of[[self.row_of[r] for r in ranks]]
+        passed = {int(c): bool(test(self.pagers[int(c)])) for c in np.unique(classes)}
+        return [r for r, c in zip(ranks, classes.tolist()) if passed[c]]
+
     def call(self, method: str, per_rank: dict[int, tuple], *common) -> MovesByRank:
         """Call ``method`` on the pager of every GPU in ``per_rank`` (rank -> its own
         arguments; for expert-list methods the first one is instance ids of that rank),

@@ -134,6 +134,11 @@ class PagerConfig:
     cold_percentile: float = doc("M13: an expert below this heat percentile ...", 10.0, check=percentile)
     cold_consecutive_updates: int = doc("M13: ... for this many consecutive heat updates moves to host", 5, check=positive)
     prefetch_pages: int = doc("M14: pages prefetched when a cold expert is activated again", 3, check=non_negative)
+    defrag_threshold: float = doc("M17: compact the device pool at a step's end when more than this share of the "
+                                  "experts with two or more pages on the GPU have them out of slot order (0 = never)",
+                                  0.0, check=fraction)
+    defrag_interval: int = doc("M17: compact the device pool every this many steps whatever its fragmentation "
+                               "(0 = never)", 0, check=non_negative)
     pipeline_pages: bool = doc("M14: an expert whose pages are being loaded computes page by page as they arrive "
                                "(its GEMMs in blocks of the rows a page holds) instead of after its last page", False)
 

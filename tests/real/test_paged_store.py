@@ -1,6 +1,6 @@
 """The paged store keeps expert weights bit-identical to an unpaged copy whatever the
-pager does (M12-M16): loads, evictions with write-back, cold migration, wake-up,
-updates of pages on either side, invalidation and refresh from a peer."""
+pager does (M12-M17): loads, evictions with write-back, cold migration, wake-up,
+updates of pages on either side, invalidation, refresh from a peer and compaction."""
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ op = st.one_of(
     st.tuples(st.just("update"), st.lists(st.sampled_from(EXPERTS), min_size=1, max_size=5)),
     st.tuples(st.just("stale"), st.sampled_from(EXPERTS)),
     st.tuples(st.just("cold"), st.lists(st.booleans(), min_size=5, max_size=5)),
+    st.tuples(st.just("defrag"), st.just(None)),
 )
 
 
@@ -66,6 +67,9 @@ def test_pages_always_hold_the_reference_weights(budget, ops, seed):
             below = np.array(arg)
             states = np.where(below, COLD, WARM)
             store.execute(pager.heat_update(below, states, np.zeros(5, bool), step))
+        elif kind == "defrag":  # M17: a permutation of the pool, cycles included
+            store.execute(pager.defragment())
+            assert pager.fragmentation == 0.0
         pager.check_invariants()
         for i in EXPERTS:
             if i not in stale:
