@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from real.page_pipeline import blocked_ffn
 
 ALIGN_ROWS = 16
+DROPPED_SHIFT = 2**40  # source_slots: above any expert index, so dropped slots sort behind every kept one
 
 
 def split_flat(flat: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,11 +273,8 @@ def source_slots(experts_TK: torch.Tensor, keep_TK: torch.Tensor, kept: int | No
         idx = torch.nonzero(keep_TK.reshape(-1)).squeeze(1)
         return idx[torch.argsort(flat_e[idx], stable=True)]
     dropped = ~keep_TK.reshape(-1)  # after every kept slot, in the same (expert, token, slot) order
-    order = torch.argsort(flat_e + dropped.to(flat_e.dtype) * _SHIFT, stable=True)
+    order = torch.argsort(flat_e + dropped.to(flat_e.dtype) * DROPPED_SHIFT, stable=True)
     return order[:kept]
-
-
-_SHIFT = 2**40  # above any expert index: moves dropped slots behind every kept one
 
 
 def combine_slots(y_RH: torch.Tensor, slot_idx: torch.Tensor, probs_TK: torch.Tensor, tokens: int) -> torch.Tensor:
