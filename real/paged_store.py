@@ -63,7 +63,6 @@ class PagedExpertStore:
         self.modified = np.zeros(len(pager.location), dtype=bool)
         #: reads of each page by a computation (C9's page-access record, testbed.page_access)
         self.page_reads = np.zeros(len(pager.location), dtype=np.int64)
-        self.defrag_bytes = 0  # bytes moved device to device by M17's compactions
         self._pages = {int(inst): range(k * pager.pages_per_expert, (k + 1) * pager.pages_per_expert)
                        for k, inst in enumerate(pager.experts)}  # instance -> its page numbers
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -182,28 +181,22 @@ class PagedExpertStore:
 
     def _execute(self, moves: PageMoves, incoming) -> int:
         host_device = 0
-        experts = moves.expert.tolist()  # plain ints: this loop runs once per page
+        experts = moves.expert.tolist()  # plain ints: this loop runs once per page (or run of pages)
         rows = list(zip(experts, moves.page.tolist(), moves.slot.tolist(), moves.src.tolist(), moves.dst.tolist(),
                         moves.reason.tolist(), moves.nbytes.tolist()))
-        run_end = -1  # rows before it were loaded by the last batched copy
-        for k, (inst, index, slot, src, dst, reason, nbytes) in enumerate(rows):
+        k = 0
+        while k < len(rows):
+            inst, index, slot, src, dst, reason, nbytes = rows[k]
             page = self._pages[inst][index]
-            if reason == UPDATE:
-                continue  # the gradient is shipped by ``update``
-            if k < run_end:
-                pass  # copied with the run it belongs to
-            elif reason == DEFRAG:  # M17: every defrag row of the run at once, one permutation of the pool
-                run_end = k + 1
-                while run_end < len(rows) and rows[run_end][5] == DEFRAG:
-                    run_end += 1
-                self._compact([(self._pages[i][j], s) for i, j, s, *_ in rows[k:run_end]])
+            done = 1  # rows this move carried out
+            if reason == UPDATE:  # the gradient is shipped by ``update``
+                k += 1
+                continue
+            if reason == DEFRAG:
+                done = self._compact(rows, k)
             elif dst == GPU and src == HOST:
-                run_end = k + self._load_run(rows, k)
-                for inst_j, index_j, slot_j, *_ in rows[k:run_end]:
-                    page_j = self._pages[inst_j][index_j]
-                    self.loc[page_j], self.slot_of[page_j] = GPU, slot_j
-                    host_device += self._host_view(page_j).numel() * self.elem
-                    self._page_copied(page_j)
+                done, copied = self._load_run(rows, k)
+                host_device += copied
             elif dst == GPU and src == PEER:
                 _, start, n = self._page_range(page)
                 self._to_slot(page, slot, incoming[inst][start:start + n].to(self.device))
@@ -218,30 +211,35 @@ class PagedExpertStore:
                 self.loc[page], self.slot_of[page] = HOST, -1
             elif dst == NONE:
                 self.loc[page], self.slot_of[page] = NONE, -1
-            if k + 1 == len(experts) or experts[k + 1] != inst:
-                self._copied(inst)
+            for j in range(k, k + done):  # an expert's last row: its copies are all issued
+                if j + 1 == len(experts) or experts[j + 1] != experts[j]:
+                    self._copied(experts[j])
+            k += done
         return host_device
 
-    def _compact(self, moves: list[tuple[int, int]]) -> None:
-        """M17: (page, new slot) pairs, done together: every page's data is read from its
-        old slot before any is written (the moves may form cycles). Device to device, on
-        the copy stream: loads issued after it queue behind it."""
-        old = [self._slot_tensor(int(self.slot_of[p])) for p, _ in moves]
-        staged = torch.stack(old) if old else None  # a copy of every moving page first
-        for (page, slot), data in zip(moves, staged if staged is not None else []):
+    def _compact(self, rows, k: int) -> int:
+        """M17: the defrag rows from row ``k`` on, (page, new slot) each, done together:
+        every page's data is read from its old slot before any is written (the moves may
+        form cycles). Device to device, on the copy stream: loads issued after it queue
+        behind it. Returns how many rows it carried out."""
+        end = k
+        while end < len(rows) and rows[end][5] == DEFRAG:
+            end += 1
+        moves = [(self._pages[inst][index], slot) for inst, index, slot, *_ in rows[k:end]]
+        staged = torch.stack([self._slot_tensor(int(self.slot_of[p])) for p, _ in moves])  # every moving page first
+        for (page, slot), data in zip(moves, staged):
             self._slot_tensor(slot).copy_(data)
             self.slot_of[page] = slot
             self._page_copied(page)
-        if staged is not None:
-            self._keep_alive(staged)
-        self.defrag_bytes += len(moves) * self.slot_elems * self.elem
+        self._keep_alive(staged)
+        return end - k
 
-    def _load_run(self, rows, k: int) -> int:
-        """Copy the host -> device loads that start at row ``k`` as one copy where they
-        are whole pages of one expert, in page order, into consecutive slots of the pool
-        (the pager's usual pattern; an expert's short last page and slots past the pool
-        are copies of their own); returns how many rows it copied (at least 1). With
-        ``page_events`` every page is its own copy: compute waits for each (M14)."""
+    def _load_run(self, rows, k: int) -> tuple[int, int]:
+        """Host -> device loads from row ``k`` on, as one copy where they are whole pages
+        of one expert, in page order, into consecutive slots of the pool (the pager's
+        usual pattern; an expert's short last page and slots past the pool are copies of
+        their own). With ``page_events`` every page is its own copy: compute waits for
+        each (M14). Returns (rows carried out, at least 1; bytes copied)."""
         inst, index, slot = rows[k][:3]
         n = 1
         if not self.page_events:
@@ -253,15 +251,18 @@ class PagedExpertStore:
         whole = 0  # the run's leading whole pages (an expert's last page may be shorter)
         while whole < n and self._page_range(self._pages[inst][index + whole])[2] == self.slot_elems:
             whole += 1
-        n = min(whole, len(self.pool) - slot)  # overflow slots are tensors of their own
+        n = max(1, min(whole, len(self.pool) - slot))  # overflow slots are tensors of their own
+        pages = [self._pages[inst][index + j] for j in range(n)]
         if n > 1:
-            start = self._page_range(self._pages[inst][index])[1]
+            start = self._page_range(pages[0])[1]
             self.pool[slot:slot + n].view(-1).copy_(self.host[inst][start:start + n * self.slot_elems],
                                                     non_blocking=True)
-            return n
-        page = self._pages[inst][index]
-        self._to_slot(page, slot, self._host_view(page))
-        return 1
+            self.loc[pages], self.slot_of[pages] = GPU, np.arange(slot, slot + n)
+        else:
+            self._to_slot(pages[0], slot, self._host_view(pages[0]))
+        for page in pages:
+            self._page_copied(page)
+        return n, sum(self._host_view(page).numel() for page in pages) * self.elem
 
     def _free_unused_slots(self) -> None:
         live = set(self.slot_of[self.loc == GPU].tolist())

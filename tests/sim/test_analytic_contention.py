@@ -117,16 +117,24 @@ def test_ops_one_after_another_on_the_same_links_keep_their_time_alone():
     assert durations(analytic) == pytest.approx([timer.seconds(a), timer.seconds(b)], rel=1e-12)  # end - start
 
 
+def fan_out_beside_a_ring(peer: int, ring_bytes: float):
+    """(all-to-all, ring, phases): GPU 0 sends 1 GB to each of GPUs 4, 5 and 6 (three flows
+    through its NIC) while a ring all-reduce of ``ring_bytes`` between GPU 0 and ``peer``
+    runs on the sync stream (one flow through the same NIC)."""
+    a2a = CollectiveOp("all_to_all_v", (0, 4, 5, 6), "combine_backward",
+                       matrix=np.array([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]) * GB)
+    ring = CollectiveOp("all_reduce", (0, peer), "expert_sync", size=int(ring_bytes))
+    phases = [Phase("combine_backward", 0, "ops", "comm", (), ops=[a2a]),
+              Phase("expert_sync", 0, "ops", "sync", (), ops=[ring])]
+    return a2a, ring, phases
+
+
 def test_a_ring_gets_its_flows_share_of_a_nic_an_all_to_all_crosses_with_many():
     """GPU 0 sends a ring all-reduce's one flow and an all-to-all's three flows through its
     NIC at the same time: max-min gives the all-to-all 3/4 of the NIC, not half."""
     cluster, prof = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=2, microclusters=1), profile(nic=40.0)
     timer, flow = models(cluster, prof)
-    a2a = CollectiveOp("all_to_all_v", (0, 4, 5, 6), "combine_backward",
-                       matrix=np.array([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]) * GB)
-    ring = CollectiveOp("all_reduce", (0, 7), "expert_sync", size=int(8 * GB))
-    phases = [Phase("combine_backward", 0, "ops", "comm", (), ops=[a2a]),
-              Phase("expert_sync", 0, "ops", "sync", (), ops=[ring])]
+    a2a, ring, phases = fan_out_beside_a_ring(7, 8 * GB)
     analytic = run_analytic(phases, 8, timer, 0.0, 0.0)
     a2a_s = transfer(timer, a2a, durations(analytic)[0])
     assert a2a_s == pytest.approx(3 * GB / (0.75 * 40 * GB), rel=0.02)  # 3 GB at 30 GB/s
@@ -196,11 +204,7 @@ def test_a_ring_held_elsewhere_leaves_an_all_to_all_the_rest_of_a_nic():
     of the NIC."""
     cluster = ClusterConfig(gpus_per_node=4, nodes_per_microcluster=2, microclusters=2, leaf_spine_oversubscription=1.0)
     timer, flow = models(cluster, profile(nic=40.0, spine=0.5))
-    a2a = CollectiveOp("all_to_all_v", (0, 4, 5, 6), "combine_backward",
-                       matrix=np.array([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]) * GB)
-    ring = CollectiveOp("all_reduce", (0, 8), "expert_sync", size=int(1 * GB))
-    phases = [Phase("combine_backward", 0, "ops", "comm", (), ops=[a2a]),
-              Phase("expert_sync", 0, "ops", "sync", (), ops=[ring])]
+    a2a, ring, phases = fan_out_beside_a_ring(8, 1 * GB)
     analytic = run_analytic(phases, 16, timer, 0.0, 0.0)
     assert transfer(timer, a2a, durations(analytic)[0]) == pytest.approx(3 * GB / (36 * GB), rel=0.02)
     assert taken(analytic) == pytest.approx(taken(run_flows(phases, 16, flow, 0.0, 0.0)), rel=FLOW_TOLERANCE)
