@@ -85,7 +85,7 @@ class RankState:
         for layer in range(m.num_layers):
             w, b = initial_router(s.run.seed, layer, s)
             self.router.append((w.to(self.device).requires_grad_(), b.to(self.device).requires_grad_()))
-        #: the step's ``real.overlap_sync.OverlappedSync`` while the backward runs, else None
+        #: the step's ``real.gradient_sync.GradientSync`` while the backward runs, else None
         self.sync_hooks = None
         self.backward_plans: dict | None = None  # layer -> its backward page plan, decided ahead
         self.force_blocks = False  # tests: compute every paged expert page by page (M14)

@@ -39,11 +39,11 @@ import torch.distributed as dist
 from real.checkpoint import Checkpointer, checkpoint_dir
 from real.control import lead_fields
 from real.layer import LayerRunner, own_op
-from real.overlap_sync import OverlappedSync
+from real.gradient_sync import GradientSync
 from real.rank_state import ActivationMeter, RankState
 from real.task import SyntheticTask
 from testbed.errors import RunError, ScenarioError
-from testbed.planner import Planner, padded_elements
+
 from testbed.scenario import Scenario
 
 
@@ -133,15 +133,16 @@ class RankRunner:
         task_loss = torch.mean((h.float() - y_TH) ** 2)
         loss = task_loss + aux_total
         if s.overlap.sync_with_backward:  # M22: issued from the backward as gradients complete
-            overlapped = OverlappedSync(self, kept)
+            sync = GradientSync(self, kept, during_backward=True)
             st.clock.switch("combine_backward")
             (loss / self.world).backward()
-            self.sync_plan = overlapped.finish()
-            self.synced = overlapped.synced
-            cache = self.sync_plan.cache
+            self.sync_plan = sync.finish()
         else:
             (loss / self.world).backward()
-            cache = self._sync(kept)
+            sync = GradientSync(self, kept, during_backward=False)
+            self.sync_plan = sync.after_backward()
+        self.synced = sync.synced
+        cache = self.sync_plan.cache
         if self.capture is not None and step == 0:
             updated = {int(i) for i in self.sync_plan.updated[st.rank]}  # a replica not synced goes stale
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
@@ -207,16 +208,12 @@ class RankRunner:
         st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
         return buf.cpu().numpy()
 
-    def _discover(self, kept_LE: np.ndarray) -> np.ndarray | None:
-        """The step's active-group discovery (M10, ``Planner.discovery_ops``): every rank's
-        bitmask of the experts it kept tokens for, all layers, gathered over all ranks;
-        returns which EP groups used each expert [L, R, E] (None with one replica: the
-        route all-gather told every rank)."""
-        return self.start_discovery(kept_LE)()
-
     def start_discovery(self, kept_LE: np.ndarray):
-        """``_discover``'s all-gather, issued now (stage expert_sync); returns a function
-        that waits for it and gives its answer."""
+        """The step's active-group discovery (M10, ``Planner.discovery_ops``), issued now
+        (stage expert_sync): every rank's bitmask of the experts it kept tokens for, all
+        layers, gathered over all ranks. Returns a function that waits for it and gives
+        which EP groups used each expert [L, R, E] (None with one replica: the route
+        all-gather told every rank)."""
         st = self.st
         t0 = time.perf_counter()
         bits = torch.from_numpy(np.packbits(kept_LE.reshape(-1) > 0)).to(st.device)
@@ -243,66 +240,6 @@ class RankRunner:
         if instance in self.st.grads:
             return self.st.grads[instance]
         return torch.zeros(self.s.model.expert_params, dtype=self.st.dtype, device=self.st.device)
-
-    def _sync(self, kept_LE: np.ndarray):
-        s, st = self.s, self.st
-        st.clock.switch("expert_sync")
-        plan = st.controller.sync(self._discover(kept_LE))
-        if plan.cache is not None:
-            st.groups.apply(plan.cache)
-        E = s.model.num_experts
-        local = list(st.layout.local_experts(st.rank))
-        self.synced: dict[int, torch.Tensor] = {}
-        mine = [op for op in plan.expert_sync_ops if st.rank in op.members and op.layer >= 0]  # discovery ran
-        for op in mine:
-            if op.kind == "all_reduce":  # the shard's experts of one layer, one buffer
-                insts = [op.layer * E + e for e in local]
-                buf = torch.cat([self._grad(i) for i in insts])
-                st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
-                for i, part in zip(insts, buf.chunk(len(insts))):
-                    self.synced[i] = part
-        self._two_stage([op for op in mine if op.kind != "all_reduce"])
-        st.clock.switch("dense_sync")
-        for op in plan.dense_sync_ops:  # one all-reduce per bucket of router gradients, in backward order
-            params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.router[layer]]
-            buf = torch.cat([p.grad.reshape(-1) for p in params])
-            st.comm.all_reduce(buf, op.members, st.groups.get(op.members))
-            for p, part in zip(params, buf.split([p.numel() for p in params])):
-                p.grad.copy_(part.view_as(p))
-        st.groups.retire()
-        self.sync_plan = plan
-        return plan.cache
-
-    def _two_stage(self, ops) -> None:
-        """M9: reduce-scatter then all-gather within A_e, a batch of experts at a time."""
-        st = self.st
-        E, n = self.s.model.num_experts, self.s.model.expert_params
-        shards: dict[int, torch.Tensor] = {}
-        i = 0
-        while i < len(ops):
-            j = i
-            while j < len(ops) and (ops[j].layer, ops[j].batch) == (ops[i].layer, ops[i].batch):
-                j += 1
-            pending = []
-            for op in ops[i:j]:
-                inst = op.layer * E + int(op.label.split()[-1])
-                pg = st.groups.get(op.members, cached=True)
-                if op.kind == "reduce_scatter":
-                    g = self._grad(inst)
-                    padded = torch.zeros(padded_elements(n, len(op.members)), dtype=g.dtype, device=g.device)
-                    padded[:n] = g
-                    out, work = st.comm.reduce_scatter(padded, op.members, pg, async_op=True)
-                    shards[inst] = out
-                else:
-                    out, work = st.comm.all_gather(shards.pop(inst), op.members, pg, async_op=True)
-                    self.synced[inst] = out
-                pending.append(work)
-            for work in pending:
-                if work is not None:
-                    work.wait()
-            i = j
-        for inst in list(self.synced):
-            self.synced[inst] = self.synced[inst][:n]
 
     def _optimize(self) -> None:
         """Plain SGD: router everywhere, experts whose replica receives a gradient."""

@@ -1,23 +1,27 @@
-"""Gradient sync overlapped with the backward (M22, ``overlap.sync_with_backward``), real backend.
+"""The gradient sync of one step on the real backend: expert gradients (all-reduce, or
+two-stage within the active groups, M8-M10) and router gradients (DDP-style buckets).
 
-What the simulator's sync stream does, as async collectives (gloo's worker threads,
-NCCL's stream) issued from points of the backward that every rank passes in the same
-order:
+It runs one of two ways, with the same collectives in the same order on every rank:
 
-- once the forward is done, every layer's backward page loads are decided (so that the
-  controller decides the sync after them, as the simulator's does) and the step's
-  active-group discovery all-gather (M10) is issued; it is waited for, the controller plans the sync and the group cache's
-  communicators are made, when the first layer's expert gradients are complete;
-- when a layer's expert gradients are complete (its experts' backward ran), its expert
-  sync is issued: the all-reduce of the shard's gradients, or the two-stage
-  reduce-scatters (M9), whose all-gathers are issued when the next layer's gradients are
-  complete (a fixed point of every rank's backward, so the collectives on each group
-  keep one order on every rank);
-- when every router gradient of a bucket has been accumulated (a post-accumulate hook
-  per parameter, as torch DDP does), the bucket's all-reduce is issued.
-
-After the backward the rank waits for what is still in flight (stages ``expert_sync``
-and ``dense_sync``: what the overlap did not hide).
+- after the backward (the default): the step's active-group discovery all-gather
+  (M10) and the controller's plan, then layer after layer, last first, its expert sync
+  (the two-stage all-gathers once the reduce-scatters are in), each waited for before
+  the next, then the buckets one after another - as the simulator chains them;
+- during the backward (M22, ``overlap.sync_with_backward``): what the simulator's sync
+  stream does, as async collectives (gloo's worker threads, NCCL's stream) issued from
+  points of the backward that every rank passes in the same order:
+  - once the forward is done, every layer's backward page loads are decided (so that the
+    controller decides the sync after them, as the simulator's does) and the discovery
+    all-gather is issued; it is waited for, the controller plans the sync and the group
+    cache's communicators are made, when the first layer's expert gradients are complete;
+  - when a layer's expert gradients are complete (its experts' backward ran), its expert
+    sync is issued, and the two-stage all-gathers of the layer before (whose
+    reduce-scatters were issued a layer ago: a fixed point of every rank's backward, so
+    the collectives on each group keep one order on every rank);
+  - when every router gradient of a bucket has been accumulated (a post-accumulate hook
+    per parameter, as torch DDP does), the bucket's all-reduce is issued;
+  after the backward the rank waits for what is still in flight (stages ``expert_sync``
+  and ``dense_sync``: what the overlap did not hide).
 """
 
 from __future__ import annotations
@@ -28,12 +32,17 @@ import torch
 from testbed.planner import Planner, padded_elements
 
 
-class OverlappedSync:
-    """One step's gradient sync, issued during its backward (module doc)."""
+class GradientSync:
+    """One step's gradient sync (module doc). ``during_backward``: made before the
+    backward, which then issues the collectives through the rank's hooks; else made
+    after it and run at once (``after_backward``)."""
 
-    def __init__(self, runner, kept_LE: np.ndarray):
+    def __init__(self, runner, kept_LE: np.ndarray, during_backward: bool):
         self.runner, self.st = runner, runner.st
-        self.st.plan_backward_pages()  # the controller decides the backward's pages before the sync
+        if during_backward:
+            self.st.plan_backward_pages()  # the controller decides the backward's pages before the sync
+        else:
+            self.st.clock.switch("expert_sync")
         self.discovery = runner.start_discovery(kept_LE)  # () -> active groups [L, R, E] or None
         self.plan = None
         self.synced: dict[int, torch.Tensor] = {}
@@ -41,7 +50,21 @@ class OverlappedSync:
         self.scattering: list = []  # (layer, [(op, shard, work)]) awaiting their all-gathers
         self.gathering: list = []  # (inst, out, work)
         self.bucket_left: dict[int, set] = {}  # dense op index -> router parameters not yet accumulated
-        self.st.sync_hooks = self
+        self.issued_buckets: set[int] = set()
+        if during_backward:
+            self.st.sync_hooks = self
+
+    def after_backward(self):
+        """The whole sync now, one collective (or batch) after another; returns the plan."""
+        st = self.st
+        for layer in reversed(range(st.scenario.model.num_layers)):
+            self.experts_done(layer)
+            self._drain()
+        st.clock.switch("dense_sync")
+        for k in range(len(self.plan.dense_sync_ops)):
+            self._issue_bucket(k)
+            self._drain()
+        return self.finish()
 
     # ---- called from the backward ------------------------------------------------------------
     def experts_done(self, layer: int) -> None:
@@ -82,7 +105,7 @@ class OverlappedSync:
             if any(p is param for p in left):
                 self.bucket_left[k] = {p for p in left if p is not param}
                 if not self.bucket_left[k]:
-                    self._issue_bucket(self.plan.dense_sync_ops[k])
+                    self._issue_bucket(k)
                 return
 
     # ---- after the backward -------------------------------------------------------------------
@@ -91,22 +114,9 @@ class OverlappedSync:
         plan. Expert gradients synced are in ``synced``; router gradients are in place."""
         st = self.st
         self._planned()
-        st.clock.switch("expert_sync")
-        self._gather_previous(everything=True)
-        for k, left in self.bucket_left.items():  # a bucket whose hooks never all fired (no gradient)
-            if left:
-                self._issue_bucket(self.plan.dense_sync_ops[k])
-                self.bucket_left[k] = set()
-        for stage, work, done in sorted(self.reducing, key=lambda r: r[0] == "dense_sync"):  # expert sync first
-            st.clock.switch(stage)
-            if work is not None:
-                work.wait()
-            done()
-        st.clock.switch("expert_sync")
-        for inst, out, work in self.gathering:
-            if work is not None:
-                work.wait()
-            self.synced[inst] = out[:st.scenario.model.expert_params]
+        for k in range(len(self.plan.dense_sync_ops)):  # a bucket whose hooks never all fired (no gradient)
+            self._issue_bucket(k)
+        self._drain()
         st.groups.retire()
         st.sync_hooks = None
         return self.plan
@@ -142,8 +152,34 @@ class OverlappedSync:
             if not everything:
                 break
 
-    def _issue_bucket(self, op) -> None:
+    def _drain(self) -> None:
+        """Wait for every collective issued so far (the two-stage all-gathers issued first),
+        expert sync before buckets, each waited for in its stage."""
         st = self.st
+        if self.scattering:
+            st.clock.switch("expert_sync")
+        self._gather_previous(everything=True)
+        for stage, work, done in sorted(self.reducing, key=lambda r: r[0] == "dense_sync"):
+            st.clock.switch(stage)
+            if work is not None:
+                work.wait()
+            done()
+        self.reducing = []
+        if self.gathering:
+            st.clock.switch("expert_sync")
+        for inst, out, work in self.gathering:
+            if work is not None:
+                work.wait()
+            self.synced[inst] = out[:st.scenario.model.expert_params]
+        self.gathering = []
+
+    def _issue_bucket(self, k: int) -> None:
+        """The all-reduce of router-gradient bucket ``k`` (``plan.dense_sync_ops[k]``), once."""
+        if k in self.issued_buckets:
+            return
+        self.issued_buckets.add(k)
+        st = self.st
+        op = self.plan.dense_sync_ops[k]
         params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.router[layer]]
         buf = torch.cat([p.grad.reshape(-1) for p in params])
         work = st.comm.all_reduce(buf, op.members, st.groups.get(op.members), async_op=True, stage="dense_sync")
