@@ -13,8 +13,8 @@ Prints one line per measurement with its goal and PASS / MISS:
 3. the fraction of page copies hidden behind expert compute: copies alone, the expert
    FFN alone, both at once (copies on the store's side stream); hidden = (copy + compute
    - both) / copy. Goal: >= 85 %.
-4. the page-pipelined expert FFN (M14: each expert computed page by page as its pages
-   arrive) against load-then-compute, per tokens per expert and page size. Goal: >= 1.3x
+4. the page-pipelined expert FFN (M14: computed page by page as its pages arrive, on the
+   per-expert loop and on the grouped GEMM) against load-then-compute, per tokens per expert and page size. Goal: >= 1.3x
    at the best page size with >= 2,048 tokens per expert.
 5. router (``testbed.router.route``) + permutation (source order, expert layout and the
    weighted combine) as a share of the expert FFN forward at a realistic shape. Goal: <= 10 %.
@@ -41,6 +41,8 @@ from real.experts import (  # noqa: E402
     combine_slots,
     expert_ffn,
     grouped_forward,
+    grouped_forward_weights,
+    grouped_supported,
     source_slots,
 )
 from real.page_pipeline import blocked_ffn  # noqa: E402
@@ -224,51 +226,68 @@ def overlap(b: Bench, shape, copy_bytes: int, page: int) -> None:
 # ---- 4. page-pipelined expert FFN vs load-then-compute (M14) ---------------------------------------
 def page_pipeline(b: Bench, experts: int, h: int, f: int, tokens_list, pages_mb) -> None:
     """Every expert's pages start on the host; load-then-compute issues all copies and
-    computes each expert once its pages are in; pipelined computes each expert page by
-    page as its pages arrive (``real.page_pipeline.blocked_ffn`` on
-    ``PagedExpertStore.segments``). Goal: the pipelined FFN >= 1.3x faster at its best
-    page size when there are >= 2,048 tokens per expert."""
+    computes once the pages are in; pipelined computes as the pages arrive. Two kernels:
+    ``loop``, each expert page by page (``real.page_pipeline.blocked_ffn`` on
+    ``PagedExpertStore.segments``), and ``grouped`` (CUDA bf16), one grouped GEMM over
+    every expert contracted block by block (``grouped_blocked`` on the store's in-place
+    ``stacked`` weights). Goal: the pipelined FFN >= 1.3x faster at its best page size
+    when there are >= 2,048 tokens per expert."""
     say(f"page-pipelined expert FFN vs load-then-compute, {experts} experts H={h} F={f} "
         f"(goal >= 1.3x at the best page size with >= 2048 tokens per expert){b.label}")
     expert_bytes = 2 * h * f * torch.empty((), dtype=b.dtype).element_size()
-    print(f"  {'tokens/expert':>13s} {'page':>7s} {'load, then ms':>14s} {'pipelined ms':>13s} {'speedup':>8s}")
-    for tokens in tokens_list:
-        x = b.rand(tokens, h, scale=0.25)
-        best = 0.0
-        for mb in pages_mb:
-            page = int(mb * MB)
-            pager, store = page_store(b, page, expert_bytes, experts)
-            store.page_events = True
-            ids = list(pager.experts)
+    # on the CPU the grouped kernel is torch's fallback: run it there too, for its plumbing
+    grouped_here = grouped_supported(b.dev, b.dtype, h, f) or (not b.cuda and hasattr(torch, "_grouped_mm"))
+    kernels = ["loop"] + (["grouped"] if grouped_here else [])
+    print(f"  {'kernel':>7s} {'tokens/expert':>13s} {'page':>7s} {'load, then ms':>14s} {'pipelined ms':>13s} "
+          f"{'speedup':>8s}")
+    for kernel in kernels:
+        for tokens in tokens_list:
+            x = b.rand(tokens * experts, h, scale=0.25)
+            best = 0.0
+            for mb in pages_mb:
+                page = int(mb * MB)
+                pager, store = page_store(b, page, expert_bytes, experts)
+                store.page_events = True
+                ids = [int(i) for i in pager.experts]
+                counts = [tokens] * experts
+                layout = GroupLayout(counts, b.dev)
 
-            def run(pipelined: bool, step: int, pager=pager, store=store) -> float:
-                to_host(pager, store, 2 * step)
-                moves = pager.access(ids, 2 * step + 1)
-                pager.end_step()
-                b.sync()
-                t0 = time.perf_counter()
-                store.execute(moves)
-                with torch.no_grad():
-                    for i in ids:
+                def compute(pipelined: bool, store=store, ids=ids, counts=counts, layout=layout, tokens=tokens):
+                    if kernel == "grouped":
+                        sw = store.stacked(ids, counts, pipelined)
+                        return grouped_forward_weights(x, sw, layout, h, f, store.page_elems)
+                    for k, i in enumerate(ids):
+                        rows = x[k * tokens:(k + 1) * tokens]
                         if pipelined:
-                            blocked_ffn(x, store.segments(int(i)), h, f)
+                            blocked_ffn(rows, store.segments(i), h, f)
                         else:
-                            expert_ffn(x, [tokens], [store.read(int(i))], h, f, grouped=False)
-                store.settle()
-                b.sync()
-                return time.perf_counter() - t0
+                            expert_ffn(rows, [tokens], [store.read(i)], h, f, grouped=False)
 
-            plain = float(np.median([run(False, 4 * k) for k in range(3)]))
-            piped = float(np.median([run(True, 4 * k + 2) for k in range(3)]))
-            speedup = plain / piped
-            best = max(best, speedup)
-            name = f"{mb:g}MB" if mb >= 1 else f"{mb * 1024:g}KB"
-            note = "CPU, no verdict" if not b.cuda else "verdict on the best" if tokens >= 2048 else "no goal below 2048"
-            print(f"  {tokens:>13d} {name:>7s} {plain * 1e3:14.2f} {piped * 1e3:13.2f} {speedup:7.2f}x  {note}",
-                  flush=True)
-            del store, pager
-        if tokens >= 2048 or not b.cuda:
-            print(f"  {tokens:>13d} best {best:.2f}x  {b.verdict(best >= 1.3)}", flush=True)
+                def run(pipelined: bool, step: int, pager=pager, store=store, ids=ids) -> float:
+                    to_host(pager, store, 2 * step)
+                    moves = pager.access(ids, 2 * step + 1)
+                    pager.end_step()
+                    b.sync()
+                    t0 = time.perf_counter()
+                    store.execute(moves)
+                    with torch.no_grad():
+                        compute(pipelined)
+                    store.settle()
+                    b.sync()
+                    return time.perf_counter() - t0
+
+                plain = float(np.median([run(False, 4 * k) for k in range(3)]))
+                piped = float(np.median([run(True, 4 * k + 2) for k in range(3)]))
+                speedup = plain / piped
+                best = max(best, speedup)
+                name = f"{mb:g}MB" if mb >= 1 else f"{mb * 1024:g}KB"
+                note = ("CPU, no verdict" if not b.cuda else "verdict on the best" if tokens >= 2048
+                        else "no goal below 2048")
+                print(f"  {kernel:>7s} {tokens:>13d} {name:>7s} {plain * 1e3:14.2f} {piped * 1e3:13.2f} "
+                      f"{speedup:7.2f}x  {note}", flush=True)
+                del store, pager
+            if tokens >= 2048 or not b.cuda:
+                print(f"  {kernel:>7s} {tokens:>13d} best {best:.2f}x  {b.verdict(best >= 1.3)}", flush=True)
 
 
 # ---- 5. router + permutation vs expert compute -----------------------------------------------------

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from real.page_pipeline import blocked_ffn
+from real.page_pipeline import blocked_ffn, grouped_blocked
+from real.stacked_weights import StackedWeights
 
 ALIGN_ROWS = 16
 DROPPED_SHIFT = 2**40  # source_slots: above any expert index, so dropped slots sort behind every kept one
@@ -155,12 +157,50 @@ def grouped_backward(dy_RH, xp_PH, a_PF, w_GX, layout: GroupLayout, hidden: int,
     return layout.unpad(dx), torch.cat([dw1.reshape(g, -1), dw2.reshape(g, -1)], dim=1)
 
 
-def _stacked(read, instances, elems: int, like: torch.Tensor, dtype) -> torch.Tensor:
-    """[G, elems] weights of ``instances``, each read straight into its row."""
-    w = torch.empty((len(instances), elems), dtype=dtype, device=like.device)
-    for k, inst in enumerate(instances):
-        read(inst, w[k])
-    return w
+def grouped_forward_weights(x_RH, sw: StackedWeights, layout: GroupLayout, hidden: int, ffn: int, page_elems: int):
+    """``grouped_forward`` on stacked weights ``sw``, block by block as their pages
+    arrive where ``sw.pipelined`` (M14, ``real.page_pipeline.grouped_blocked``)."""
+    if not sw.pipelined:
+        return grouped_forward(x_RH, sw.w_GX, layout, hidden, ffn)
+    w1, w2 = split_stacked(sw.w_GX, hidden, ffn)
+    xp = layout.pad(x_RH)
+    y, a = grouped_blocked(xp, w1, w2, layout.offs, page_elems, sw.ready)
+    return layout.unpad(y), xp, a
+
+
+class ExpertWeights(Protocol):
+    """Where an expert FFN reads its weights (``real.rank_state.RankState``; ``FlatWeights``)."""
+
+    page_elems: int  # elements of a page (M14's block granularity)
+
+    def compute_weights(self, instance: int) -> torch.Tensor:
+        """An expert's flat weights, for reading."""
+
+    def read_blocks(self, instance: int):
+        """(start element, piece) of the weights to compute on as they arrive, or None (M14)."""
+
+    def stacked_weights(self, instances: list[int], counts: list[int], may_pipeline: bool) -> StackedWeights:
+        """The weights of one grouped GEMM (``real.stacked_weights``)."""
+
+
+class FlatWeights:
+    """``ExpertWeights`` over flat tensors by instance (tests, benchmarks): read in
+    place, stacked by a copy, never pipelined."""
+
+    def __init__(self, flats: dict[int, torch.Tensor]):
+        self.flats = flats
+        self.page_elems = max(f.numel() for f in flats.values())
+
+    def compute_weights(self, instance: int) -> torch.Tensor:
+        return self.flats[instance]
+
+    def read_blocks(self, instance: int):
+        return None
+
+    def stacked_weights(self, instances, counts, may_pipeline):
+        used = [(i, n) for i, n in zip(instances, counts) if n > 0]
+        w = torch.stack([self.flats[i] for i, _ in used])
+        return StackedWeights(used, w, copied_bytes=w.numel() * w.element_size())
 
 
 # ---- the autograd function ---------------------------------------------------------------------
@@ -169,39 +209,39 @@ class PagedExpertFFN(torch.autograd.Function):
     in the backward, so no weight copy lives between the two (the pages may even have
     left the device and come back). Weight gradients are added to ``grads[instance]``.
 
-    ``read(instance, out=None)`` returns (or fills ``out`` with) an expert's flat weights;
-    on CUDA it also makes compute wait for that expert's pending page copies only.
-    ``grouped`` picks the grouped kernel; ``timer`` (or None) times each expert (M18).
-    ``blocks(instance)`` (M14 page pipelining, or None) gives an expert's pages to compute
-    on page by page as they arrive (``real.page_pipeline``), or None when it need not
-    wait; a call with such an expert runs the per-expert loop.
+    ``weights`` (``ExpertWeights``) gives the weights; on CUDA reading them makes compute
+    wait for those experts' pending page copies only. ``grouped`` picks the grouped
+    kernel: its weights are stacked in place where the pages lie so, else copied
+    (``real.stacked_weights``), and with M14 page pipelining it contracts block by block
+    as the pages arrive. On the per-expert loop an expert whose pages are arriving
+    (``weights.read_blocks``) is computed page by page (``real.page_pipeline``).
+    ``timer`` (or None) times each expert (M18).
     """
 
     @staticmethod
-    def forward(ctx, x_RH, read, instances, counts, hidden, ffn, grads, timer=None, grouped=False, blocks=None):
+    def forward(ctx, x_RH, weights, instances, counts, hidden, ffn, grads, timer=None, grouped=False):
         used = [(i, n) for i, n in zip(instances, counts) if n > 0]
-        arriving = {i: b for i, b in ((i, blocks(i)) for i, _ in used) if b is not None} if blocks else {}
-        grouped = grouped and not arriving
-        ctx.args = (read, used, hidden, ffn, grads, timer, grouped)
+        ctx.args = (weights, instances, counts, used, hidden, ffn, grads, timer, grouped)
         if not used:
             ctx.save_for_backward(x_RH)
             return x_RH.new_zeros((0, hidden))
         if grouped:
-            w = _stacked(read, [i for i, _ in used], 2 * hidden * ffn, x_RH, x_RH.dtype)
-            layout = GroupLayout([n for _, n in used], x_RH.device)
+            sw = weights.stacked_weights(instances, counts, may_pipeline=True)
+            layout = GroupLayout(sw.counts, x_RH.device)
             t = _start(timer)
-            y, xp, a = grouped_forward(x_RH, w, layout, hidden, ffn)
-            _stop(timer, t, _row_shares(*zip(*used)))
-            ctx.layout = layout
+            y, xp, a = grouped_forward_weights(x_RH, sw, layout, hidden, ffn, weights.page_elems)
+            _stop(timer, t, _row_shares(*zip(*sw.members)))
+            ctx.layout = (sw.counts, layout)
             ctx.save_for_backward(xp, a)
             return y
         out, start, pre = [], 0, []
         for inst, n in used:
+            blocks = weights.read_blocks(inst)
             t = _start(timer)
-            if inst in arriving:  # M14: page by page as its pages arrive
-                y, a = blocked_ffn(x_RH[start:start + n], arriving[inst], hidden, ffn)
+            if blocks is not None:  # M14: page by page as its pages arrive
+                y, a = blocked_ffn(x_RH[start:start + n], blocks, hidden, ffn)
             else:
-                w1, w2 = split_flat(read(inst), hidden, ffn)
+                w1, w2 = split_flat(weights.compute_weights(inst), hidden, ffn)
                 a = x_RH[start:start + n] @ w1
                 y = F.gelu(a) @ w2
             pre.append(a)
@@ -213,24 +253,28 @@ class PagedExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RH):
-        read, used, hidden, ffn, grads, timer, grouped = ctx.args
-        none = (None,) * 9
+        weights, instances, counts, used, hidden, ffn, grads, timer, grouped = ctx.args
+        none = (None,) * 8
         if not used:
             (x_RH,) = ctx.saved_tensors
             return (torch.zeros_like(x_RH),) + none
         if grouped:
             xp, a = ctx.saved_tensors
-            w = _stacked(read, [i for i, _ in used], 2 * hidden * ffn, xp, xp.dtype)
+            sw = weights.stacked_weights(instances, counts, may_pipeline=False)
+            # members with no rows pad to no rows: any member set gives the forward's padded rows
+            fwd_counts, layout = ctx.layout
+            layout = layout if sw.counts == fwd_counts else GroupLayout(sw.counts, xp.device)
             t = _start(timer)
-            dx, dw = grouped_backward(dy_RH.contiguous(), xp, a, w, ctx.layout, hidden, ffn)
-            _stop(timer, t, _row_shares(*zip(*used)))
-            for k, (inst, _) in enumerate(used):
-                grads[inst] = grads[inst] + dw[k] if inst in grads else dw[k]
+            dx, dw = grouped_backward(dy_RH.contiguous(), xp, a, sw.w_GX, layout, hidden, ffn)
+            _stop(timer, t, _row_shares(*zip(*sw.members)))
+            for k, (inst, n) in enumerate(sw.members):
+                if n:
+                    grads[inst] = grads[inst] + dw[k] if inst in grads else dw[k]
             return (dx,) + none
         x_RH, *pre = ctx.saved_tensors
         dx, start = [], 0
         for k, (inst, n) in enumerate(used):
-            w1, w2 = split_flat(read(inst), hidden, ffn)
+            w1, w2 = split_flat(weights.compute_weights(inst), hidden, ffn)
             t = _start(timer)
             x, a, dy = x_RH[start:start + n], pre[k], dy_RH[start:start + n]
             h = F.gelu(a)

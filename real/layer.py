@@ -84,9 +84,8 @@ class LayerRunner:
             expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
         clock.switch("experts")
         expert_in = mark(expert_in, clock, "dispatch_backward", hook=lambda: r.experts_done(layer))
-        y_RH = PagedExpertFFN.apply(expert_in, r.compute_weights, instances, counts_e,
-                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped,
-                                    r.read_blocks)
+        y_RH = PagedExpertFFN.apply(expert_in, r, instances, counts_e,
+                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped)
         y_RH = mark(y_RH, clock, "experts_backward")
         clock.switch("combine")
         # the backward of this layer starts here: bring its experts' pages back first
@@ -178,8 +177,8 @@ class LayerRunner:
         m = s.model
 
         def experts(rows, counts):
-            return PagedExpertFFN.apply(rows, r.compute_weights, instances, counts, m.hidden_size, m.ffn_hidden_size,
-                                        r.grads, r.timer, r.grouped, r.read_blocks)
+            return PagedExpertFFN.apply(rows, r, instances, counts, m.hidden_size, m.ffn_hidden_size,
+                                        r.grads, r.timer, r.grouped)
 
         ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks, experts,
                       hook=lambda: r.backward_pages(layer), experts_done=lambda: r.experts_done(layer))

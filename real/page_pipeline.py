@@ -11,10 +11,14 @@ contracts block by block over what has arrived,
 so on CUDA the compute stream waits for one page at a time (``PagedExpertStore.segments``)
 while the copy stream brings the next. A row split between two pages is assembled from
 both. The result is the unblocked FFN's up to the order of the sums.
+
+``grouped_blocked`` does the same for a grouped GEMM over several experts: block k
+contracts, for every expert at once, the rows that page k of each completes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -65,4 +69,45 @@ def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int) -> tuple[to
                 carry.append(rest)
     if carry:
         raise ValueError("the segments do not end at the end of the weights")
+    return y, a
+
+
+# ---- the grouped GEMM, block by block --------------------------------------------------------
+#: contraction blocks of the grouped kernel start on multiples of this many rows, so the
+#: activation columns they read begin 16-byte aligned (``torch._grouped_mm``'s rule, bf16)
+BLOCK_ALIGN_ROWS = 16
+
+
+def row_blocks(base: int, rows: int, width: int, page_elems: int) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) of a ``rows`` x ``width`` matrix that begins at element
+    ``base`` of the flat weights: each ends where the arrival of a page completes rows,
+    rounded down to ``BLOCK_ALIGN_ROWS`` (the last ends at ``rows``), none empty."""
+    first_page = base // page_elems
+    last_page = (base + rows * width - 1) // page_elems
+    ends = (np.arange(first_page, last_page + 1) + 1) * page_elems  # element after each page
+    done = np.clip((ends - base) // width, 0, rows)
+    done = np.where(done == rows, rows, done // BLOCK_ALIGN_ROWS * BLOCK_ALIGN_ROWS)
+    bounds = [0] + sorted(set(int(d) for d in done) - {0})
+    return list(zip(bounds, bounds[1:]))
+
+
+def grouped_blocked(xp_PH: torch.Tensor, w1_GHF: torch.Tensor, w2_GFH: torch.Tensor, offs: torch.Tensor,
+                    page_elems: int, ready) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [P, H], pre-activation a [P, F]) of a grouped FFN over padded rows ``xp_PH``
+    (groups ending at ``offs``), contracted block by block as pages arrive:
+    ``ready(end)`` returns once elements [0, end) of every expert's flat weights may be
+    read. Blocks are the rows that whole pages complete (``row_blocks``), so the page
+    index k of every expert is waited for together: experts are the same size."""
+    hidden, ffn = w1_GHF.shape[1], w1_GHF.shape[2]
+    a = None
+    for r0, r1 in row_blocks(0, hidden, ffn, page_elems):
+        ready(r1 * ffn)
+        part = torch._grouped_mm(xp_PH[:, r0:r1], w1_GHF[:, r0:r1], offs=offs)
+        a = part if a is None else a.add_(part)
+    h = F.gelu(a)
+    y = None
+    for r0, r1 in row_blocks(hidden * ffn, ffn, hidden, page_elems):
+        ready(hidden * ffn + r1 * hidden)
+        part = torch._grouped_mm(h[:, r0:r1], w2_GFH[:, r0:r1], offs=offs)
+        y = part if y is None else y.add_(part)
     return y, a

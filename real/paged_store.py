@@ -17,7 +17,7 @@ they are issued: after the last copy of each expert an event is recorded, and wh
 reads or updates that expert's pages makes its own stream wait for that event only.
 So the copies overlap the dispatch all-to-all that follows them, and an expert computes
 as soon as *its* pages arrived while the next expert's pages are still on the way
-(expert-granular pipelining, M14; the grouped GEMM waits for all of its experts). The
+(expert-granular pipelining; with ``page_events``, page-granular: M14). The
 time compute spent waiting is measured with events (``settle``). On CPU copies are
 synchronous.
 
@@ -34,6 +34,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from real.stacked_weights import StackedWeights, grouped_members, strided_rows
 from testbed.page_moves import DEFRAG, GPU, HOST, NONE, PEER, UPDATE, PageMoves
 from testbed.pager import RankPager
 
@@ -270,6 +271,22 @@ class PagedExpertStore:
             del self.overflow[s]
 
     # ---- reading and writing weights ------------------------------------------------------------
+    def _page_data(self, page: int) -> torch.Tensor:
+        """A page's current data on the device: its slot, or a copy from its host home
+        (blocking: the CPU may update that host page right after)."""
+        if self.loc[page] == GPU:
+            return self._slot_tensor(int(self.slot_of[page]))[:self._page_range(page)[2]]
+        if self.loc[page] == HOST:
+            return self._host_view(page).to(self.device)
+        inst = self._page_range(page)[0]
+        raise RuntimeError(f"expert instance {inst}: page {page} has no valid copy (stale replica)")
+
+    def _wait_page(self, page: int) -> None:
+        """Make the current stream wait for ``page``'s copy (with ``page_events``, CUDA)."""
+        ev = self._page_ready.get(page)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
     def read(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The current flat weights of ``instance`` (a copy, into ``out`` if given), from
         wherever each page is."""
@@ -279,29 +296,86 @@ class PagedExpertStore:
         self.page_reads[self._pages[instance].start:self._pages[instance].stop] += 1
         for page in self._pages[instance]:
             _, start, n = self._page_range(page)
-            if self.loc[page] == GPU:
-                out[start:start + n] = self._slot_tensor(int(self.slot_of[page]))[:n]
-            elif self.loc[page] == HOST:
-                # blocking: the CPU may update this host page right after
-                out[start:start + n] = self._host_view(page).to(self.device)
-            else:
-                raise RuntimeError(f"expert instance {instance}: page {page} has no valid copy (stale replica)")
+            out[start:start + n] = self._page_data(page)
         return out
+
+    def _rows_in_place(self, instances: list[int]) -> torch.Tensor | None:
+        """[G, expert elements] view of the pool holding ``instances``' weights, when
+        every page of each is on the GPU in consecutive slots of the pool in page order
+        and the experts lie at one stride (``real.stacked_weights.strided_rows``)."""
+        starts = []
+        for inst in instances:
+            pages = self._pages[inst]
+            if not np.all(self.loc[pages.start:pages.stop] == GPU):
+                return None
+            slots = self.slot_of[pages.start:pages.stop]
+            if not (np.all(np.diff(slots) == 1) and slots[-1] < len(self.pool)):
+                return None
+            starts.append(int(slots[0]) * self.slot_elems)
+        return strided_rows(self.pool, starts, self.expert_elems)
 
     def view(self, instance: int) -> torch.Tensor | None:
         """``instance``'s flat weights as a view of the device pool, without a copy, when
         every page is on the GPU in consecutive slots of the pool in page order (what
         M17's compaction makes); None otherwise (``read`` copies). For reading: compute
         waits for the instance's copies first (CUDA)."""
-        pages = self._pages[instance]
-        if not np.all(self.loc[pages.start:pages.stop] == GPU):
-            return None
-        slots = self.slot_of[pages.start:pages.stop]
-        if not (np.all(np.diff(slots) == 1) and slots[-1] < len(self.pool)):
+        rows = self._rows_in_place([instance])
+        if rows is None:
             return None
         self.wait_for(instance)
+        pages = self._pages[instance]
         self.page_reads[pages.start:pages.stop] += 1
-        return self.pool[int(slots[0]):int(slots[-1]) + 1].view(-1)[:self.expert_elems]
+        return rows[0]
+
+    def stacked(self, instances: list[int], counts: list[int], pipelined: bool) -> StackedWeights:
+        """The weights of a grouped GEMM over ``instances`` (``counts`` rows each): a view
+        of the pool where the experts lie in place (the span from the first expert with
+        rows to the last, else those with rows), else a staged copy. ``pipelined`` (M14):
+        ``ready(end)`` waits for, and where staged copies, each page index's pages of all
+        members as the GEMM reaches them; otherwise every read is done on return."""
+        span, used = grouped_members(instances, counts)
+        members, rows = used, None
+        for option in (span, used):
+            rows = self._rows_in_place([i for i, _ in option])
+            if rows is not None:
+                members = option
+                break
+        if rows is not None:
+            if not pipelined:
+                for inst, n in members:
+                    if n:
+                        self.wait_for(inst)
+                        self.page_reads[self._pages[inst].start:self._pages[inst].stop] += 1
+                return StackedWeights(members, rows)
+            return StackedWeights(members, rows, self._page_by_page(members, None), pipelined=True)
+        w = torch.empty((len(members), self.expert_elems), dtype=self.dtype, device=self.device)
+        nbytes = w.numel() * self.elem
+        if not pipelined:
+            for k, (inst, _) in enumerate(members):
+                self.read(inst, w[k])
+            return StackedWeights(members, w, copied_bytes=nbytes)
+        return StackedWeights(members, w, self._page_by_page(members, w), pipelined=True, copied_bytes=nbytes)
+
+    def _page_by_page(self, members: list[tuple[int, int]], fill: torch.Tensor | None):
+        """``ready(end)`` for a pipelined grouped GEMM: page index by page index up to
+        element ``end``, the current stream waits for every member's page (those with
+        rows: an empty group reads nothing) and, with ``fill``, copies it into its row."""
+        reading = [(k, self._pages[inst]) for k, (inst, n) in enumerate(members) if n]
+        done = [0]  # page indices handled so far
+
+        def ready(end: int) -> None:
+            j = done[0]
+            while j < self.pager.pages_per_expert and j * self.page_elems < end:
+                for k, pages in reading:
+                    page = pages[j]
+                    self.page_reads[page] += 1
+                    self._wait_page(page)
+                    if fill is not None:
+                        _, start, n = self._page_range(page)
+                        fill[k, start:start + n] = self._page_data(page)
+                j += 1
+            done[0] = j
+        return ready
 
     def pending(self, instance: int) -> bool:
         """Whether some page of ``instance`` is still being copied in (CUDA, with
@@ -317,16 +391,8 @@ class PagedExpertStore:
         it is reached."""
         for page in self._pages[instance]:
             self.page_reads[page] += 1
-            _, start, n = self._page_range(page)
-            ev = self._page_ready.get(page)
-            if ev is not None:
-                torch.cuda.current_stream(self.device).wait_event(ev)
-            if self.loc[page] == GPU:
-                yield start, self._slot_tensor(int(self.slot_of[page]))[:n]
-            elif self.loc[page] == HOST:
-                yield start, self._host_view(page).to(self.device)
-            else:
-                raise RuntimeError(f"expert instance {instance}: page {page} has no valid copy (stale replica)")
+            self._wait_page(page)
+            yield self._page_range(page)[1], self._page_data(page)
 
     def update(self, instance: int, grad_flat: torch.Tensor, lr: float) -> int:
         """SGD on ``instance``: every page becomes ``w - lr * g`` where it lives.

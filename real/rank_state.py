@@ -27,6 +27,7 @@ from real.experts import ExpertTimer, grouped_supported
 from real.groups import Groups
 from real.layer import seed_of
 from real.paged_store import PagedExpertStore
+from real.stacked_weights import StackedWeights, grouped_members, strided_rows
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
 from testbed.page_moves import PageMoves, add_reason_counts, page_move_count
@@ -93,6 +94,7 @@ class RankState:
         # self-check that reads the device back, so on CUDA only with real.check_weights
         self.self_check = self.device.type != "cuda" or s.real.check_weights
         self.blocked_experts = 0  # expert forwards computed page by page (M14)
+        self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         for p in (p for pair in self.router for p in pair):
             p.register_post_accumulate_grad_hook(self._router_grad_ready)
         init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
@@ -102,9 +104,12 @@ class RankState:
             self.store = PagedExpertStore(self.controller.pager_of(self.rank), m.expert_params,
                                           self.dtype, self.device, init)
             self.store.page_events = s.pager.pipeline_pages
-        else:
-            for i in self.controller.local_instances(self.rank):
-                self.unpaged[int(i)] = init(int(i)).to(self.device, self.dtype)
+            self.page_elems = self.store.page_elems
+        else:  # one tensor, a row per instance: a grouped GEMM reads its rows in place
+            local = [int(i) for i in self.controller.local_instances(self.rank)]
+            self.unpaged_rows = torch.stack([init(i) for i in local]).to(self.device, self.dtype) if local else None
+            self.unpaged = {i: self.unpaged_rows[k] for k, i in enumerate(local)}
+            self.page_elems = m.expert_params
         self.shadow = ({int(i): init(int(i)).to(self.device, self.dtype)
                         for i in self.controller.local_instances(self.rank)}
                        if s.real.check_weights else None)
@@ -143,6 +148,7 @@ class RankState:
             whole = self.store.view(instance)
             if whole is not None:
                 return whole
+        self.weight_copy_bytes += self.store.expert_elems * self.store.elem if self.store else 0
         return self.read_weights(instance, out)
 
     def read_blocks(self, instance: int):
@@ -156,8 +162,26 @@ class RankState:
         self.blocked_experts += 1
         return self.store.segments(instance)
 
+    def stacked_weights(self, instances: list[int], counts: list[int], may_pipeline: bool) -> StackedWeights:
+        """The weights of one grouped GEMM (``real.stacked_weights``): the unpaged rows in
+        place, or the store's pages (in place where they lie so). Pipelined block by block
+        (M14) when ``may_pipeline``, ``pager.pipeline_pages`` is on and a member's pages
+        are still arriving (or ``force_blocks``)."""
+        if self.store is None:
+            span, _ = grouped_members(instances, counts)
+            rows = [self.unpaged[i] for i, _ in span]
+            starts = [t.storage_offset() - self.unpaged_rows.storage_offset() for t in rows]
+            return StackedWeights(span, strided_rows(self.unpaged_rows.view(-1), starts, self.page_elems))
+        pipelined = (may_pipeline and self.scenario.pager.pipeline_pages
+                     and (self.force_blocks or any(self.store.pending(i) for i, n in zip(instances, counts) if n)))
+        sw = self.store.stacked(instances, counts, pipelined)
+        self.blocked_experts += sum(1 for _, n in sw.members if n) if pipelined else 0
+        self.weight_copy_bytes += sw.copied_bytes
+        return sw
+
     def set_unpaged(self, instance: int, flat: torch.Tensor) -> None:
-        self.unpaged[instance] = flat
+        """New weights of an unpaged instance, written into its row."""
+        self.unpaged[instance].copy_(flat)
         self.modified.add(instance)
 
     # ---- checkpoints (M23) ----------------------------------------------------------------------
@@ -187,7 +211,7 @@ class RankState:
             self.store.restore(controller.pager_of(self.rank), pages)
         else:
             for i, flat in pages.items():
-                self.unpaged[int(i)] = flat.to(self.device, self.dtype)
+                self.unpaged[int(i)].copy_(flat)
         self.clear_modified()
         if self.shadow is not None:  # the reference copy of every up-to-date replica
             g = self.layout.group_of[self.rank]

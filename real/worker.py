@@ -70,12 +70,15 @@ class RankRunner:
         abruptly once n steps are done; ``capture`` = True returns every rank's first-step
         outputs, synced expert gradients, router gradients and updated weights, every
         step's outputs, and its final weights; ``blocked_pages`` = True computes every
-        paged expert page by page (M14) even when none of its pages is in flight.
+        paged expert page by page (M14) even when none of its pages is in flight;
+        ``grouped_kernel`` = True runs the grouped expert GEMM where it would not (CPU).
         """
         debug = debug or {}
         fail_at = debug.get("fail_at")
         self.capture = {} if debug.get("capture") else None
         self.st.force_blocks = bool(debug.get("blocked_pages"))
+        if debug.get("grouped_kernel"):  # tests: the grouped GEMM on CPU too (torch's fallback)
+            self.st.grouped = True
         s, st = self.s, self.st
         ckpt = None
         if s.checkpoint.enabled:
@@ -282,6 +285,7 @@ class RankRunner:
             self.capture["final_router"] = [(w.detach().cpu().clone(), b.detach().cpu().clone()) for w, b in st.router]
             self.capture["heat_states"] = st.controller.heat.states
             self.capture["blocked_experts"] = st.blocked_experts
+            self.capture["weight_copy_bytes"] = st.weight_copy_bytes
             if st.store is not None:
                 self.capture["page_reads"] = st.store.page_reads.copy()  # [local pages], pager numbering
         events = [None] * self.world if self.st.rank == 0 else None

@@ -28,7 +28,7 @@ except ImportError:  # run directly by benchmarks/gpu_check.sh
 
 from real.backend import RealBackend
 from real.comm import PayloadCodec
-from real.experts import PagedExpertFFN, grouped_supported
+from real.experts import FlatWeights, PagedExpertFFN, grouped_supported
 from real.paged_store import PagedExpertStore
 from testbed.heat import COLD, WARM
 from testbed.pager import RankPager
@@ -52,14 +52,11 @@ def test_grouped_gemm_matches_the_loop_in_bf16():
     x0 = torch.randn(sum(counts), h, generator=g).to(dev, torch.bfloat16)
     dy = torch.randn(sum(counts), h, generator=g).to(dev, torch.bfloat16)
 
-    def read(inst, out=None):
-        return out.copy_(weights[inst]) if out is not None else weights[inst].clone()
-
     outs = []
     for grouped in (False, True):
         x = x0.clone().requires_grad_()
         grads = {}
-        y = PagedExpertFFN.apply(x, read, list(weights), counts, h, f, grads, None, grouped)
+        y = PagedExpertFFN.apply(x, FlatWeights(weights), list(weights), counts, h, f, grads, None, grouped)
         y.backward(dy)
         outs.append((y.detach(), x.grad, grads))
     (y0, dx0, g0), (y1, dx1, g1) = outs

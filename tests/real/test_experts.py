@@ -5,7 +5,7 @@ the grouped one runs in bf16; torch's CPU fallback lets its plumbing be checked 
 import pytest
 import torch
 
-from real.experts import ExpertTimer, PagedExpertFFN, expert_ffn, grouped_supported
+from real.experts import ExpertTimer, FlatWeights, PagedExpertFFN, expert_ffn, grouped_supported
 
 H, F = 16, 24
 
@@ -19,10 +19,7 @@ def run(counts, grouped, seed=0):
     dy = torch.randn(sum(counts), H, generator=g)
     grads, timer = {}, ExpertTimer(cuda=False)
 
-    def read(inst, out=None):
-        return out.copy_(weights[inst]) if out is not None else weights[inst].clone()
-
-    y = PagedExpertFFN.apply(x, read, list(weights), counts, H, F, grads, timer, grouped)
+    y = PagedExpertFFN.apply(x, FlatWeights(weights), list(weights), counts, H, F, grads, timer, grouped)
     y.backward(dy)
     return y.detach(), x.grad, grads, timer.collect()
 

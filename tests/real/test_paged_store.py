@@ -74,6 +74,14 @@ def test_pages_always_hold_the_reference_weights(budget, ops, seed):
         for i in EXPERTS:
             if i not in stale:
                 assert torch.equal(store.read(i), shadow[i]), (kind, i)
+        live = [i for i in EXPERTS if i not in stale]
+        counts = [int(n) for n in torch.randint(0, 3, (len(live),), generator=g)]
+        stacked = store.stacked(live, counts, pipelined=bool(step % 2))  # a grouped GEMM's weights
+        stacked.ready(ELEMS)
+        for (i, n), row in zip(stacked.members, stacked.w_GX):
+            if n:
+                assert torch.equal(row, shadow[i]), (kind, i)
+        assert {i for i, n in stacked.members if n} == {i for i, n in zip(live, counts) if n}
     assert store.device_bytes <= max(pager.used_slots, 0) * 16 + 16
 
 
