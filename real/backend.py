@@ -38,6 +38,11 @@ def check_runnable(scenario: Scenario) -> None:
         raise ScenarioError("faults[0].kind", s.faults[0].kind,
                             "simulated only: fault events are injected by --backend sim; a real rank that dies "
                             "stops the run with an error")
+    if (s.pager.enabled and s.pager.free_memory == "device" and not s.pager.device_memory_bytes
+            and (s.real.network == "emulated" or (torchrun_env() is None and pick_device(s) == "cpu"))):
+        raise ScenarioError("pager.device_memory_bytes", 0,
+                            "pager.free_memory = device on CPU ranks needs the device memory to model; "
+                            "on CUDA the allocator's free memory is used")
     if s.real.network == "emulated":
         if torchrun_env() is not None:
             raise ScenarioError("real.network", "emulated", "an emulated cluster is made by the spawning launcher on "

@@ -95,6 +95,7 @@ class RankState:
         self.self_check = self.device.type != "cuda" or s.real.check_weights
         self.blocked_experts = 0  # expert forwards computed page by page (M14)
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
+        self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
         for p in (p for pair in self.router for p in pair):
             p.register_post_accumulate_grad_hook(self._router_grad_ready)
         init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
@@ -120,9 +121,25 @@ class RankState:
         self.moves_by_reason: dict[str, int] = {}
         self.stall_s = 0.0
 
+    def free_memory(self) -> dict[int, tuple[float, float]] | None:
+        """M15, ``pager.free_memory = device``: {rank: (bytes free on the device outside the
+        page pool, device bytes)}. CUDA: the allocator's - the driver's free memory plus what
+        torch holds cached but unallocated. CPU: modelled, ``pager.device_memory_bytes``
+        less the pool and what the last step held besides pages (activations, gradients)."""
+        cfg = self.scenario.pager
+        if self.store is None or cfg.free_memory != "device":
+            return None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            return {self.rank: (float(free), float(total))}
+        pool = self.store.pool.numel() * self.store.elem
+        device = float(cfg.device_memory_bytes)
+        return {self.rank: (device - pool - self.last_other_bytes, device)}
+
     def begin_step(self, step: int) -> None:
         """Fresh per-step counters: gradients, page moves, stall time, bytes."""
-        self.controller.begin_step(step)
+        self.controller.begin_step(step, self.free_memory())
         self.grads.clear()
         self.page_moves, self.stall_s = 0, 0.0
         self.moves_by_reason = {}

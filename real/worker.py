@@ -167,6 +167,7 @@ class RankRunner:
         grad_bytes = sum(g.numel() * g.element_size() for g in st.grads.values())
         peak = (torch.cuda.max_memory_allocated(st.device) if st.device.type == "cuda"
                 else resident + meter.peak_bytes + grad_bytes)
+        st.last_other_bytes = float(meter.peak_bytes + grad_bytes)
         totals, regions = st.clock.take()
         local = {
             "step_time_s": step_time, "stage_time_s": totals, "by_stage": st.ledger.by_stage,

@@ -47,9 +47,9 @@ from sim.step_report import figures, trace_events
 TRACE_RANKS = 16  # GPUs shown in the Chrome trace
 
 
-def decide_step(controller: Controller, step: int, routed: np.ndarray) -> StepDecisions:
+def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memory=None) -> StepDecisions:
     """Drive the controller through one step in the order the real backend does."""
-    controller.begin_step(step)
+    controller.begin_step(step, free_memory)
     forward = [controller.forward_layer(layer, routed[layer]) for layer in range(controller.L)]
     backward = {layer: controller.backward_layer(layer) for layer in reversed(range(controller.L))}
     sync = controller.sync()
@@ -93,6 +93,7 @@ class ClusterSim:
         self.clock = 0.0
         self.events = 0  # phase executions per rank + collective ops: the work simulated
         self.fixed_groups = self._fixed_groups()
+        self.last_other: np.ndarray | None = None  # [W] non-page bytes at the last step's peak (M15)
 
     def _fixed_groups(self) -> np.ndarray:
         """Communicators every rank holds from the start: world, EP group, replica group,
@@ -112,9 +113,7 @@ class ClusterSim:
         experts when paging is off) and communicator buffers (M10)."""
         lay, m = self.layout, self.s.model
         if self.controller.pool is not None:
-            pool = self.controller.pool
-            slots = np.array([p.used_slots for p in pool.pagers])[pool.class_of]
-            pages = slots * self.s.pager.page_size_bytes
+            pages = self.page_bytes_now()
         else:
             pages = np.full(lay.world, len(self.controller.local_instances(0)) * m.expert_bytes)
         groups = self.fixed_groups.copy()
@@ -122,15 +121,39 @@ class ClusterSim:
             groups[list(members)] += 1
         return pages + groups * self.profile.collectives.communicator_MiB * 2**20
 
+    def page_bytes_now(self) -> np.ndarray | None:
+        """[W] bytes of the GPU slots holding pages now (None without paging)."""
+        pool = self.controller.pool
+        if pool is None:
+            return None
+        return np.array([p.used_slots for p in pool.pagers])[pool.class_of] * float(self.s.pager.page_size_bytes)
+
+    def free_memory(self, base: np.ndarray) -> dict[int, tuple[float, float]] | None:
+        """M15, ``pager.free_memory = device``: per GPU (modelled free bytes outside the page
+        pool, device bytes). Device bytes: ``pager.device_memory_bytes``, else the
+        profile's. What is not the pool is modelled from the last step: its peak less the
+        pages it began with (activations, gradients, buffers, communicators); before the
+        first step, the communicators."""
+        cfg = self.s.pager
+        if self.controller.pool is None or cfg.free_memory != "device":
+            return None
+        device = float(cfg.device_memory_bytes or self.profile.compute.device_memory_GB * 1e9)
+        pool = self.controller.pool
+        capacity = np.array([p.capacity_slots for p in pool.pagers])[pool.class_of] * cfg.page_size_bytes
+        other = self.last_other if self.last_other is not None else base - self.page_bytes_now()
+        free = np.floor((device - capacity - other) / cfg.page_size_bytes) * cfg.page_size_bytes  # whole pages
+        return {int(r): (float(free[i]), device) for i, r in enumerate(pool.ranks)}
+
     def step(self, step: int, routed: np.ndarray, step_times: list[float]):
         """Simulate one step: (decisions, phases, timeline, figures, faults)."""
         faults = self.faults.apply(step, step_times)
         if faults and self.mode == "flow":
             self.network.refresh()
         base = self.memory_at_start()
+        pages_at_start = self.page_bytes_now()
         carried = self.network.bytes_by_edge.copy()
         messages = self.network.messages_by_edge.copy()
-        decisions = decide_step(self.controller, step, routed)
+        decisions = decide_step(self.controller, step, routed, self.free_memory(base))
         phases = self.builder.build(decisions)
         world = self.layout.world
         if self.mode == "analytic":
@@ -138,6 +161,8 @@ class ClusterSim:
         else:
             tl = run_flows(phases, world, self.collectives, self.env.now, self.copy_latency, self.cores)
         fig = figures(phases, tl, base, self.s.model.num_layers, shown=TRACE_RANKS)
+        if pages_at_start is not None:  # what the next step's free memory model starts from (M15)
+            self.last_other = np.maximum(fig.peak_by_rank - pages_at_start, 0.0)
         self.clock = tl.t0 + fig.step_time_s
         self.events += len(phases) * world + len(tl.ops)
         self.wire_bytes = self.network.wire_bytes_by_level(self.network.bytes_by_edge - carried, self.profile.protocol,

@@ -40,6 +40,7 @@ class StepFigures:
     exposed_s_max: float
     page_stall_s: float
     peak_memory_bytes: int
+    peak_by_rank: np.ndarray  # [W] bytes each GPU held at its peak
     memory: np.ndarray  # [P, shown] bytes the first ``shown`` ranks hold during each phase
     fitted_share: float  # mean over ranks of the share of its step time from fitted constants
 
@@ -76,7 +77,7 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
         layer_time_s=[float(v) for v in by_layer.mean(axis=1)],
         exposed_s_mean=float(exposed.mean()), exposed_s_max=float(exposed.max()),
         page_stall_s=float(stall.mean()),
-        peak_memory_bytes=int(peak.max()), memory=memory, fitted_share=float(share.mean()),
+        peak_memory_bytes=int(peak.max()), peak_by_rank=peak, memory=memory, fitted_share=float(share.mean()),
     )
 
 

@@ -152,10 +152,16 @@ class Controller:
         return self.pool.pager_of(rank) if self.pool is not None else None
 
     # ---- the step ---------------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, free_memory: dict[int, tuple[float, float]] | None = None) -> None:
+        """A step begins. ``free_memory`` (``pager.free_memory = device``, M15): per paged
+        rank, (bytes free on its device outside the page pool, device bytes), from the
+        allocator on a GPU or the backend's model; it sets each pager's reserve."""
         self.step = step
         self._kept.clear()
         self._active.clear()
+        if free_memory and self.pool is not None and self.s.pager.free_memory == "device":
+            self.pool.call("set_free_memory", {int(r): tuple(map(float, v)) for r, v in free_memory.items()
+                                               if int(r) in self.pool.row_of})
 
     def forward_layer(self, layer: int, routed: np.ndarray,
                       shard_active: dict[int, np.ndarray] | None = None) -> LayerForward:

@@ -12,9 +12,23 @@ pages; the last holds the remainder. A resident page occupies one GPU slot of
 overflow (taken only when every resident page is pinned, so no page is ever lost).
 
 Eviction order (M15), a deterministic total order over evictable pages (on the GPU,
-refcount 0): clean before dirty (a clean drop costs no bytes), then least recent
-``last_access``, then highest page index first (the first pages of an expert are the
-ones M14 predicts are needed first, so they stay longest), then highest expert index.
+refcount 0), by ``pager.eviction_order``:
+
+- ``clean_first`` (the default): clean before dirty (a clean drop costs no bytes), then
+  least recent ``last_access``;
+- ``scored`` (the seed's rule): highest score first, score = dirtiness - references,
+  dirtiness = u / (1 + u) for the u optimizer updates since the page was last clean (0
+  for a clean page), references = a / (1 + a) for the a accesses since the page came to
+  the GPU; so a page often modified and seldom read goes first. Then least recent;
+
+then, in both, highest page index first (the first pages of an expert are the ones M14
+predicts are needed first, so they stay longest), then highest expert index.
+
+The emergency (M15) keeps ``reserve_slots`` budget slots free. With ``pager.free_memory
+= budget`` that is ``emergency_free_fraction`` of the budget; with ``device`` the backend
+tells the pager, each step, the device's free memory outside the pool
+(``set_free_memory``: the allocator's on a GPU, modelled in the simulator) and the
+reserve is what keeps the whole device that fraction free.
 """
 
 from __future__ import annotations
@@ -104,6 +118,8 @@ class RankPager:
         self._refcount = np.zeros(n, dtype=np.int32)
         self._last_access = np.full(n, -1, dtype=np.int64)
         self._slot = np.full(n, -1, dtype=np.int64)
+        self._updates = np.zeros(n, dtype=np.int64)  # optimizer updates since last clean (M15 dirtiness)
+        self._references = np.zeros(n, dtype=np.int64)  # accesses since it came to the GPU (M15)
         # slot -> page (-1 free); longer than capacity only while overflow slots are used.
         self._owner = np.full(self.capacity_slots, -1, dtype=np.int64)
         # Per expert.
@@ -231,6 +247,7 @@ class RankPager:
         self._refcount[pages] += 1
         self._last_access[pages] = step
         self._accesses[local] += self.pages_per_expert
+        self._references[pages] += 1
         missing = pages[self._location[pages] != GPU]
         if not len(missing):  # all resident: nothing loads, the reserve only shrinks by loads
             self._frozen[local] = False
@@ -255,6 +272,7 @@ class RankPager:
         loc = self._location[pages]
         on_gpu = pages[loc == GPU]
         self._dirty[on_gpu] = True
+        self._updates[on_gpu] += 1
         self._host_valid[on_gpu] = False
         on_host = pages[loc == HOST]
         return self._rows(on_host, GPU, HOST, self._page_nbytes[on_host], UPDATE, -1)
@@ -415,14 +433,34 @@ class RankPager:
         self._state[victims] = COLD if reason == COLD_MIGRATION else EVICTED
         self._host_valid[victims] = True
         self._dirty[victims] = False
+        self._updates[victims] = 0
+        self._references[victims] = 0
         return rows
+
+    def eviction_scores(self, pages: np.ndarray) -> np.ndarray:
+        """M15's score of ``pages`` (``scored`` order: highest evicted first):
+        dirtiness u / (1 + u) minus references a / (1 + a)."""
+        u, a = self._updates[pages], self._references[pages]
+        return u / (1.0 + u) - a / (1.0 + a)
 
     def _candidates(self) -> np.ndarray:
         """Evictable pages (on the GPU, unpinned) in eviction order (module docstring)."""
         cand = np.flatnonzero((self._location == GPU) & (self._refcount == 0))
-        order = np.lexsort((-self._page_expert[cand], -self._page_index[cand],
-                            self._last_access[cand], self._dirty[cand]))
+        first = (self._dirty[cand] if self.config.eviction_order == "clean_first"
+                 else -self.eviction_scores(cand))
+        order = np.lexsort((-self._page_expert[cand], -self._page_index[cand], self._last_access[cand], first))
         return cand[order]
+
+    def set_free_memory(self, outside_free_bytes: float, device_bytes: float) -> None:
+        """``pager.free_memory = device`` (M15): the device has ``device_bytes`` and
+        ``outside_free_bytes`` of them are free outside the page pool. The reserve becomes
+        the pool slots that must stay free for the device to keep
+        ``emergency_free_fraction`` of its memory free (none when outside memory covers
+        it; at most the whole budget); the next ``access`` evicts down to it."""
+        if device_bytes <= 0:
+            raise ValueError(f"device_bytes = {device_bytes}: must be > 0")
+        short = self.config.emergency_free_fraction * device_bytes - max(0.0, outside_free_bytes)
+        self.reserve_slots = int(min(self.capacity_slots, max(0, math.ceil(short / self.page_size - 1e-9))))
 
     def _load(self, pages: np.ndarray, src: int, reason, step: int) -> PageMoves:
         """Give ``pages`` slots (lowest free first; evict, then overflow, when short) and
@@ -443,9 +481,12 @@ class RankPager:
         slots = free[:need]
         self._place(pages, slots)
         self._last_access[pages] = step
+        self._references[pages] = 0
+        self._updates[pages] = 0
         if src == PEER:
             self._host_valid[pages] = False
             self._dirty[pages] = True
+            self._updates[pages] = 1
         self._used += need
         self._peak_used = max(self._peak_used, self._used)
         self._overflow_peak = max(self._overflow_peak, len(self._owner) - self.capacity_slots)

@@ -348,7 +348,9 @@ def histories(draw):
     config = PagerConfig(page_size_bytes=page, gpu_budget_bytes=slots * page,
                          emergency_free_fraction=draw(st.sampled_from([0.0, 0.2, 0.5])),
                          cold_consecutive_updates=draw(st.integers(1, 3)),
-                         prefetch_pages=draw(st.integers(0, 3)))
+                         prefetch_pages=draw(st.integers(0, 3)),
+                         eviction_order=draw(st.sampled_from(["clean_first", "scored"])),
+                         free_memory=draw(st.sampled_from(["budget", "device"])))
     subset = st.lists(st.integers(0, n_experts - 1), max_size=n_experts + 1)
     flags = st.lists(st.booleans(), min_size=n_experts, max_size=n_experts)
     access = st.tuples(st.just("access"), subset, st.booleans())
@@ -357,7 +359,9 @@ def histories(draw):
                                      min_size=n_experts, max_size=n_experts), flags)
     end_step = st.tuples(st.just("end_step"))
     # Accesses, heat updates and step ends weigh more: they drive eviction and migration.
-    op = st.one_of(access, access, access, heat_update, heat_update, end_step, end_step,
+    # M15 with free_memory = device: the device's free memory outside the pool changes
+    squeeze = st.tuples(st.just("free"), st.integers(0, 12 * page), st.integers(page, 40 * page))
+    op = st.one_of(access, access, access, heat_update, heat_update, end_step, end_step, squeeze,
                    st.tuples(st.just("refresh"), subset),
                    st.tuples(st.just("update"), subset),
                    st.tuples(st.just("invalidate"), subset))
@@ -405,9 +409,64 @@ def test_any_history_keeps_every_page_and_the_table_consistent(history):
                 shadow.execute(p.invalidate(ids[local]))
         elif kind == "end_step":
             p.end_step()
+        elif kind == "free":
+            if config.free_memory == "device":
+                p.set_free_memory(*args)
+                assert 0 <= p.reserve_slots <= p.capacity_slots
         else:
             below, states, woken = args
             shadow.execute(p.heat_update(np.array(below), np.array(states, dtype=np.int8),
                                          np.array(woken), step))
         shadow.check()
         assert p.free_slots >= 0 and p.used_slots <= p.capacity_slots + p.overflow_peak_slots
+
+
+# ---- M15 as the seed describes it ---------------------------------------------------------------
+def test_scored_eviction_takes_the_dirtiest_least_referenced_pages_first():
+    """A: updated 3 times, read once (last at step 3); B: updated once, read 3 times (last
+    at step 2); C on the host needs room. ``scored`` evicts A (score 3/4 - 1/2 = 0.25
+    against B's 1/2 - 3/4 < 0) although B is less recent; ``clean_first`` (both dirty)
+    evicts the least recent, B."""
+    scored = pager(budget=50, eviction_order="scored")
+    for step in range(3):
+        scored.access([B], step)
+        scored.end_step()
+    scored.access([A], 3)
+    scored.end_step()
+    scored.apply_update([A]), scored.apply_update([A]), scored.apply_update([A]), scored.apply_update([B])
+    np.testing.assert_allclose(scored.eviction_scores(np.arange(4)), [0.25, 0.25, 0.5 - 0.75, 0.5 - 0.75])
+    m = scored.access([C], 4)
+    out = [(e, r) for e, _, _, src, dst, _, r in rows(m) if src == "gpu"]
+    assert {e for e, _ in out} == {A}  # the dirtiest, least referenced expert, though B is least recent
+    assert all(r == "emergency" for _, r in out)
+    scored.check_invariants()
+
+    plain = pager(budget=50)  # clean_first: dirty both, so the least recent goes: B (steps 0-2 < A's 3)
+    for step in range(3):
+        plain.access([B], step)
+        plain.end_step()
+    plain.access([A], 3)
+    plain.end_step()
+    plain.apply_update([A]), plain.apply_update([B])
+    m = plain.access([C], 4)
+    assert {e for e, _, _, src, *_ in rows(m) if src == "gpu"} == {B}
+
+
+def test_device_free_memory_sets_the_reserve():
+    """5% of a 1,000-byte device must stay free: 50 bytes. 30 free outside the pool: the
+    pool keeps ceil(20 / 10) = 2 slots free; 60 outside: none; nothing outside: 5."""
+    p = pager(budget=100, free=0.05, free_memory="device")  # 10 slots: all 6 pages resident
+    assert p.reserve_slots == 1  # the budget rule until the backend tells it
+    p.set_free_memory(30, 1000)
+    assert p.reserve_slots == 2
+    m = p.access([A], 0)  # 4 free already: nothing to evict
+    assert m.count_by_reason()["emergency"] == 0
+    p.set_free_memory(0, 1000)
+    assert p.reserve_slots == 5
+    m = p.access([A], 0)  # A pinned: B and C give up one page... 4 free, 5 needed: one eviction
+    assert m.count_by_reason()["emergency"] == 1 and p.free_slots == 5
+    p.set_free_memory(60, 1000)
+    assert p.reserve_slots == 0
+    with pytest.raises(ValueError, match="device_bytes"):
+        p.set_free_memory(0, 0)
+    p.check_invariants()
