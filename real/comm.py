@@ -150,11 +150,12 @@ class Comm:
             total += part
         return total.to(x.dtype)
 
-    def all_reduce(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None):
+    def all_reduce(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None,
+                   reduce_op=dist.ReduceOp.SUM):
         self._count("all_reduce", tuple(members), x.numel() * x.element_size(), stage)
         if len(members) == 1:
             return None
-        return dist.all_reduce(x, group=group, async_op=async_op)
+        return dist.all_reduce(x, op=reduce_op, group=group, async_op=async_op)
 
     def p2p(self, ops: list[tuple[str, torch.Tensor, int]]) -> None:
         """Run sends and receives together: ops of ("send" | "recv", tensor, peer rank)."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from real.checkpoint import Checkpointer, checkpoint_dir
 from real.control import lead_fields
 from real.layer import LayerRunner, own_op
+from real.probe import probe_answers
 from real.gradient_sync import GradientSync
 from real.rank_state import ActivationMeter, RankState
 from real.task import SyntheticTask
@@ -157,7 +158,8 @@ class RankRunner:
             self.capture["experts_after"] = {int(i): st.read_weights(int(i)) for i in st.controller.local_instances(st.rank)
                                              if st.controller.fresh[int(i), g]}
         st.clock.switch("heat")
-        end = st.controller.end_step(self._local_heat(kept), self._sum_heat)
+        end = st.controller.end_step(self._local_heat(kept), self._sum_heat,
+                                     lambda instances: probe_answers(st, step, instances))
         st.clock.switch("paging")
         st.execute_moves(end.page_moves.get(st.rank))
         st.settle_pages()

@@ -39,6 +39,7 @@ from sim.fabric import build_fabric
 from sim.faults import Faults
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
+from sim.probe import ModelledProbe
 from sim.flow_executor import run_flows
 from sim.schedule import WarmStart, run_analytic
 from sim.software_latency import stage_host_seconds
@@ -47,13 +48,15 @@ from sim.step_report import figures, trace_events
 TRACE_RANKS = 16  # GPUs shown in the Chrome trace
 
 
-def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memory=None) -> StepDecisions:
+def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memory=None,
+                probe: ModelledProbe | None = None) -> StepDecisions:
     """Drive the controller through one step in the order the real backend does."""
     controller.begin_step(step, free_memory)
     forward = [controller.forward_layer(layer, routed[layer]) for layer in range(controller.L)]
     backward = {layer: controller.backward_layer(layer) for layer in reversed(range(controller.L))}
     sync = controller.sync()
-    return StepDecisions(forward, backward, sync, controller.end_step())
+    end = controller.end_step(probe=probe)
+    return StepDecisions(forward, backward, sync, end, probe_s=probe.take() if probe is not None else None)
 
 
 def routing_source(scenario: Scenario):
@@ -89,6 +92,7 @@ class ClusterSim:
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
                                     host_s=stage_host_seconds(profile, s))
         self.faults = Faults(s, self.fabric)
+        self.probe = ModelledProbe(s, self.controller, self.builder.compute, s.sim.expert_kernel)  # M20
         self.copy_latency = profile.copy.latency_us * 1e-6
         self.clock = 0.0
         self.events = 0  # phase executions per rank + collective ops: the work simulated
@@ -153,7 +157,7 @@ class ClusterSim:
         pages_at_start = self.page_bytes_now()
         carried = self.network.bytes_by_edge.copy()
         messages = self.network.messages_by_edge.copy()
-        decisions = decide_step(self.controller, step, routed, self.free_memory(base))
+        decisions = decide_step(self.controller, step, routed, self.free_memory(base), self.probe)
         phases = self.builder.build(decisions)
         world = self.layout.world
         if self.mode == "analytic":

@@ -74,6 +74,7 @@ class StepDecisions:
     backward: dict[int, LayerBackward]
     sync: SyncPlan
     end: StepEnd
+    probe_s: np.ndarray | None = None  # [W] seconds each GPU spent on M20 probe activations
 
 
 def batches(ops: list[CollectiveOp]) -> list[list[CollectiveOp]]:
@@ -256,8 +257,10 @@ class PhaseBuilder:
         self.host("heat", -1, np.zeros(w))
         self.chain("heat", -1, "ops", "comm", ops=d.end.heat_ops)
         if d.end.heat is not None:
-            heat_s = self.compute.heat_update_time(m.num_layers * m.num_experts)
-            self.chain("heat", -1, "compute", "compute", seconds=np.full(w, heat_s))
+            heat_s = np.full(w, self.compute.heat_update_time(m.num_layers * m.num_experts))
+            if d.probe_s is not None:  # M20: the probed experts' activations, on the GPUs holding them
+                heat_s = heat_s + d.probe_s
+            self.chain("heat", -1, "compute", "compute", seconds=heat_s)
         moved = page_copy(MovesByRank.concat([d.sync.page_moves, d.end.page_moves]), w)
         self.host("paging", -1, moved[0] + moved[1])
         self.copy_phase(-1, moved)

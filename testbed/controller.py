@@ -319,7 +319,7 @@ class Controller:
                 j = int(op.label.split()[-1])
                 out[base + j * per_rank: base + (j + 1) * per_rank] += op.wire_bytes / per_rank
 
-    def end_step(self, compute_heat: np.ndarray | None = None, sum_over_ranks=None) -> StepEnd:
+    def end_step(self, compute_heat: np.ndarray | None = None, sum_over_ranks=None, probe=None) -> StepEnd:
         """Note the step's heat (M18) and, when due, record it, update the heat map and
         move pages (M13, M19, M20).
 
@@ -331,7 +331,8 @@ class Controller:
         counts, passes its own); None = the kept slots the forward was told (the whole
         cluster on the simulator, or every rank with one replica). ``sum_over_ranks``:
         the backend's heat all-reduce, [steps, L*E] -> the same summed over all ranks
-        (None: what was passed is already the total).
+        (None: what was passed is already the total). ``probe``: the backend's M20 probe
+        activation, expert instances -> seconds each took to answer (``HeatMap.update``).
         """
         kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
@@ -348,8 +349,8 @@ class Controller:
             computes = sum_over_ranks(computes)
         for c, (_, mem, comm) in zip(computes, pending):
             self.heat.record(c, mem, comm)
-        heat_ops = self.planner.heat_ops(len(pending))
-        update = self.heat.update(self.step)
+        update = self.heat.update(self.step, probe)
+        heat_ops = self.planner.heat_ops(len(pending)) + self.planner.probe_ops(int(update.probed.sum()))
         level = np.percentile(update.scores, self.s.pager.cold_percentile)
         below_cold = below(update.scores, level)
         moves = MovesByRank()

@@ -1,5 +1,10 @@
 """The expert heat map (M18), heat score and states (M19) and wake-up probes (M20).
 
+M20: when the cold level rises, a random ``wake_fraction`` of the frozen experts get a
+probe activation - the backend brings each one's weights from where they are (the host,
+for a frozen expert) and runs it on ``probe_tokens`` tokens - and those that answer
+within ``probe_timeout_ms`` are Warm again.
+
 Per expert and step the caller records three metrics: compute heat (routed tokens or
 kernel seconds), memory heat (page accesses) and communication heat (bytes in expert
 sync). Every ``update_interval`` steps ``HeatMap.update`` sums each metric over the
@@ -38,7 +43,8 @@ class HeatUpdate:
     hot_level: float         # percentile(scores, hot_percentile)
     cold_level: float        # percentile(scores, cold_percentile)
     probed: np.ndarray       # bool: frozen experts probed this update (M20)
-    woken: np.ndarray        # bool: probed experts that responded -> WARM
+    woken: np.ndarray        # bool: probed experts that responded in time -> WARM
+    response_s: np.ndarray   # float64 seconds each probed expert took to answer its probe (inf: not probed)
     zero_window: np.ndarray  # bool: zero compute heat over the whole window (claim C7)
     window_steps: int        # steps the window holds now (<= config.window_steps)
 
@@ -59,8 +65,7 @@ class HeatMap:
         self.num_experts = num_experts
         self.config = config
         self.rng = rng
-        # The ring is deep enough for both the window (M18) and the probe's response
-        # window of one update interval (M20), which may be longer than the window.
+        # The ring holds the window (M18), and at least the steps of one update interval
         self._depth = max(config.window_steps, config.update_interval)
         self._ring = np.zeros((3, self._depth, num_experts), dtype=np.float64)
         self._recorded = 0  # steps recorded so far
@@ -101,8 +106,12 @@ class HeatMap:
         rows = (self._recorded - 1 - np.arange(steps)) % self._depth
         return self._ring[:, rows].sum(axis=1)
 
-    def update(self, step: int) -> HeatUpdate:
-        """Score, classify and probe (M19-M20); the states become the new current states."""
+    def update(self, step: int, probe=None) -> HeatUpdate:
+        """Score, classify and probe (M19-M20); the states become the new current states.
+
+        ``probe(experts) -> seconds``: activates the probed experts (indices) for real and
+        says how long each took to answer (the backend's: measured on real ranks, modelled
+        by the simulator); None answers at once (every probe responds)."""
         cfg = self.config
         sums = self._last(cfg.window_steps)
         peak = sums.max(axis=1, keepdims=True)
@@ -125,13 +134,16 @@ class HeatMap:
         if rising and candidates.size and cfg.wake_fraction > 0:
             count = min(candidates.size, max(1, math.floor(cfg.wake_fraction * candidates.size + 0.5)))
             probed[self.rng.choice(candidates, size=count, replace=False)] = True
-        # A probe "responds" when the expert did real work in the last interval.
-        recent = self._last(cfg.update_interval)[COMPUTE]
-        woken = probed & (recent > 0)
+        # A probed expert responds when its probe activation answered within the timeout.
+        response = np.full(self.num_experts, np.inf)
+        if probed.any():
+            idx = np.flatnonzero(probed)
+            response[idx] = np.asarray(probe(idx), dtype=np.float64) if probe is not None else 0.0
+        woken = probed & (response <= cfg.probe_timeout_ms * 1e-3)
         states[woken] = WARM
 
         self._states = states
         self._prev_cold_level = cold_level
         return HeatUpdate(step=step, scores=scores, states=states.copy(), hot_level=hot_level,
-                          cold_level=cold_level, probed=probed, woken=woken,
+                          cold_level=cold_level, probed=probed, woken=woken, response_s=response,
                           zero_window=sums[COMPUTE] == 0, window_steps=self.window_steps)

@@ -257,6 +257,15 @@ class Planner:
         return [CollectiveOp("all_reduce", self.world, "heat", size=steps * m.num_layers * m.num_experts * HEAT_BYTES,
                              label=f"compute heat of {steps} steps")]
 
+    def probe_ops(self, probed: int) -> list[CollectiveOp]:
+        """M20 at a heat update: the seconds each of the ``probed`` experts took to answer its
+        probe activation (float64 each, 0 on ranks without a replica of it), maximised over
+        all ranks in one all-reduce, so that every rank wakes the same experts."""
+        if len(self.world) < 2 or probed <= 0:
+            return []
+        return [CollectiveOp("all_reduce", self.world, "heat", size=probed * HEAT_BYTES,
+                             label=f"probe answers of {probed} experts")]
+
     def expert_sync_ops(self, layer: int, active_groups: list[tuple[int, ...]]) -> list[CollectiveOp]:
         """Expert-gradient sync of one layer.
 

@@ -158,6 +158,8 @@ class HeatConfig:
     hot_percentile: float = doc("above this percentile an expert is Hot", 90.0, check=percentile)
     cold_percentile: float = doc("below this percentile an expert is Cold (frozen)", 30.0, check=percentile)
     wake_fraction: float = doc("M20: fraction of frozen experts probed when the cold level rises", 0.05, check=fraction)
+    probe_tokens: int = doc("M20: tokens of a probe activation (the probed expert's weights brought from where they are and run on them)", 16, check=positive)
+    probe_timeout_ms: float = doc("M20: a probed expert that answers within this many ms becomes Warm again", 10.0, check=non_negative)
     compute_source: str = doc("compute heat from routed tokens (identical on both backends) or measured kernel time", "tokens", choices=("tokens", "measured"))
 
 

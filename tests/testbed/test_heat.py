@@ -91,10 +91,15 @@ def test_window_drops_old_steps():
 ZEROS = [0.0] * 20
 
 
-def feed(h, positives):
+def slow_below(n):
+    """A probe activation (M20) where experts below ``n`` take 50 ms to answer, the rest 1 ms."""
+    return lambda idx: np.where(np.asarray(idx) < n, 0.050, 0.001)
+
+
+def feed(h, positives, probe=slow_below(20)):
     """One step, one update: 20 silent experts then 80 with compute ``positives``."""
     h.record(ZEROS + list(positives), np.zeros(100), np.zeros(100))
-    return h.update(h.window_steps)
+    return h.update(h.window_steps, probe)
 
 
 def wake_run(seed=0, fraction=0.5):
@@ -114,8 +119,10 @@ def test_wake_only_when_cold_level_rises():
     assert risen.cold_level > same.cold_level
     assert risen.probed.sum() == 15  # 50% of the 30 frozen
     assert not risen.probed[30:].any()
-    # Experts 20..29 computed in the last interval and respond; 0..19 stay silent.
+    # Experts 20..29 answer their probe within the 10 ms timeout; 0..19 take 50 ms.
     probed = np.flatnonzero(risen.probed)
+    np.testing.assert_array_equal(risen.response_s[probed], np.where(probed < 20, 0.050, 0.001))
+    assert np.all(np.isinf(risen.response_s[~risen.probed]))
     assert 0 < risen.woken.sum() < risen.probed.sum()
     np.testing.assert_array_equal(np.flatnonzero(risen.woken), probed[probed >= 20])
     assert np.all(risen.states[risen.woken] == WARM)
@@ -141,10 +148,22 @@ def test_wake_fraction_on_many_frozen_experts():
     updates = []
     for positives in (np.linspace(1, 100, 1500), np.linspace(1, 100, 1500), np.linspace(90, 100, 1500)):
         h.record(np.r_[silent, positives], np.zeros(n), np.zeros(n))
-        updates.append(h.update(len(updates)))
+        updates.append(h.update(len(updates), slow_below(500)))
     frozen = (updates[1].states == COLD) & ((updates[2].states == COLD) | updates[2].woken)
     assert frozen.sum() == 600  # P30 of 2000 cuts at the 600th expert
     assert updates[2].probed.sum() == 30
     assert not (updates[2].probed & ~frozen).any()
-    # Only the probed ones that computed respond.
+    # Only the probed ones that answer in time respond.
     np.testing.assert_array_equal(updates[2].woken, updates[2].probed & (np.arange(n) >= 500))
+
+
+@pytest.mark.parametrize("answer_ms, woken", [(10.0, True), (10.001, False), (0.0, True)])
+def test_a_probe_responds_within_the_timeout(answer_ms, woken):
+    """heat.probe_timeout_ms = 10: an answer in exactly 10 ms wakes the expert, later does not."""
+    h = heatmap(100, 0, alpha=1.0, beta=0.0, gamma=0.0, window_steps=1, update_interval=1,
+                cold_percentile=30, hot_percentile=90, wake_fraction=1.0, probe_timeout_ms=10.0)
+    low, high = np.linspace(1, 100, 80), np.linspace(50, 100, 80)
+    probe = lambda idx: np.full(len(idx), answer_ms * 1e-3)  # noqa: E731
+    feed(h, low, probe), feed(h, low, probe)
+    risen = feed(h, high, probe)
+    assert risen.probed.sum() == 30 and risen.woken.sum() == (30 if woken else 0)
