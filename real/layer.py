@@ -72,6 +72,9 @@ class LayerRunner:
             raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
         r.refresh(plan.refresh_ops)
         r.execute_moves(plan.page_moves.get(r.rank), r.take_incoming(), forward=True)
+        if plan.heat_moves.parts:  # heat.deferred (M18): after the layer's own copies, beside it
+            clock.switch("heat")
+            r.execute_moves(plan.heat_moves.get(r.rank))
         clock.switch("dispatch")
         slot_idx = source_slots(routing.experts_TK, routing.keep_TK, int(plan.kept[r.rank].sum()))
         instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]

@@ -121,9 +121,15 @@ class RankRunner:
         h = x_TH.to(st.dtype).requires_grad_()
         aux_total = torch.zeros((), device=st.device)
         routed, kept = [], []  # this rank's counts per layer
+        # the heat all-reduce and the M20 probe, for heat updates at this step's end or,
+        # deferred (M18), at its first layer
+        st.controller.set_heat_io(self._in_heat_stage(self._sum_heat),
+                                  self._in_heat_stage(lambda instances: probe_answers(st, st.controller.step, instances)))
+        first = None  # layer 0's plan: a deferred heat update (M18) is applied there
         with ActivationMeter() as meter:
             for layer in range(s.model.num_layers):
                 h, aux, plan = self.layers.forward(layer, h, step)
+                first = plan if layer == 0 else first
                 aux_total = aux_total + aux
                 routed.append(plan.routed[st.rank])
                 kept.append(plan.kept[st.rank])
@@ -158,8 +164,7 @@ class RankRunner:
             self.capture["experts_after"] = {int(i): st.read_weights(int(i)) for i in st.controller.local_instances(st.rank)
                                              if st.controller.fresh[int(i), g]}
         st.clock.switch("heat")
-        end = st.controller.end_step(self._local_heat(kept), self._sum_heat,
-                                     lambda instances: probe_answers(st, step, instances))
+        end = st.controller.end_step(self._local_heat(kept))
         st.clock.switch("paging")
         st.execute_moves(end.page_moves.get(st.rank))
         st.settle_pages()
@@ -171,11 +176,13 @@ class RankRunner:
                 else resident + meter.peak_bytes + grad_bytes)
         st.last_other_bytes = float(meter.peak_bytes + grad_bytes)
         totals, regions = st.clock.take()
+        heat = end.heat if end.heat is not None else (first.heat if first is not None else None)
+        frozen = end.frozen if end.frozen is not None else (first.frozen if first is not None else None)
         local = {
             "step_time_s": step_time, "stage_time_s": totals, "by_stage": st.ledger.by_stage,
             "by_level": st.ledger.level_dict(), "peak": int(peak), "page_moves": st.page_moves,
             "moves_by_reason": dict(st.moves_by_reason),
-            "frozen": None if end.frozen is None else end.frozen.get(st.rank, 0),
+            "frozen": None if frozen is None else frozen.get(st.rank, 0),
             "local_experts": len(st.controller.local_instances(st.rank)),
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
@@ -186,8 +193,21 @@ class RankRunner:
             self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         self.routing.append(routed)
-        states = end.heat.state_counts() if end.heat is not None else None
+        states = heat.state_counts() if heat is not None else None
         control.publish(step, local, lead_fields(cache, states))
+
+    def _in_heat_stage(self, fn):
+        """``fn`` timed as the heat stage, whichever stage the step is in when it runs (a
+        deferred heat update runs inside the next step's first layer, M18)."""
+        def run(*args):
+            clock = self.st.clock
+            before = clock.current
+            clock.switch("heat")
+            try:
+                return fn(*args)
+            finally:
+                clock.switch(before)
+        return run
 
     def _local_heat(self, kept_LE: np.ndarray) -> np.ndarray | None:
         """This rank's compute heat of the step per expert instance [L*E] (M18): its

@@ -52,10 +52,11 @@ def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memo
                 probe: ModelledProbe | None = None) -> StepDecisions:
     """Drive the controller through one step in the order the real backend does."""
     controller.begin_step(step, free_memory)
+    controller.set_heat_io(None, probe)
     forward = [controller.forward_layer(layer, routed[layer]) for layer in range(controller.L)]
     backward = {layer: controller.backward_layer(layer) for layer in reversed(range(controller.L))}
     sync = controller.sync()
-    end = controller.end_step(probe=probe)
+    end = controller.end_step()
     return StepDecisions(forward, backward, sync, end, probe_s=probe.take() if probe is not None else None)
 
 
@@ -247,7 +248,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
     and memory from the simulated timeline. ``ledger``: an empty one to count into (the
     trace then reuses its counts), a new one by default."""
     ledger = ledger if ledger is not None else ByteLedger(sim.layout)
-    moves = [d.sync.page_moves, d.end.page_moves]
+    moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves]
     for f in d.forward:
         for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops:
             ledger.add_op(op)
@@ -256,13 +257,13 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
         for op in b.combine_backward_ops + b.dispatch_backward_ops:
             ledger.add_op(op)
         moves.append(b.page_moves)
-    for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops + d.end.heat_ops:
+    for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops + d.heat_ops:
         ledger.add_op(op)
     groups = [g for m in moves for g in m.groups()]  # (ranks, moves each of them made)
     pcie = sum(len(ranks) * m.pcie_bytes for ranks, m in groups)
     if pcie:
         ledger.add_pcie("paging", pcie)
-    states = d.end.heat.state_counts() if d.end.heat is not None else None
+    states = d.heat.state_counts() if d.heat is not None else None
     by_reason: dict[str, int] = {}
     for ranks, m in groups:
         add_reason_counts(by_reason, m, len(ranks))
@@ -283,7 +284,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
         cache_lookups=cache.lookups if cache else 0,
         expert_states=states,
         moves_by_reason=by_reason,
-        frozen_fraction=frozen_fraction(d.end.frozen, sim.layout.world * len(sim.controller.local_instances(0))),
+        frozen_fraction=frozen_fraction(d.frozen, sim.layout.world * len(sim.controller.local_instances(0))),
         wire_bytes_by_level=sim.wire_bytes,
         fitted_share=fig.fitted_share,
         extra={"layer_time_s": fig.layer_time_s, "exposed_s_mean": fig.exposed_s_mean,

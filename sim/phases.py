@@ -76,6 +76,24 @@ class StepDecisions:
     end: StepEnd
     probe_s: np.ndarray | None = None  # [W] seconds each GPU spent on M20 probe activations
 
+    @property
+    def heat_moves(self) -> MovesByRank:
+        """Page moves of a heat update applied at the first layer (heat.deferred, M18)."""
+        return self.forward[0].heat_moves if self.forward else MovesByRank()
+
+    @property
+    def heat(self):
+        """The heat update applied during this step: at its end or, deferred, at layer 0."""
+        return self.end.heat if self.end.heat is not None else (self.forward[0].heat if self.forward else None)
+
+    @property
+    def frozen(self):
+        return self.end.frozen if self.end.frozen is not None else (self.forward[0].frozen if self.forward else None)
+
+    @property
+    def heat_ops(self) -> list[CollectiveOp]:
+        return self.end.heat_ops + (self.forward[0].heat_ops if self.forward else [])
+
 
 def batches(ops: list[CollectiveOp]) -> list[list[CollectiveOp]]:
     """Consecutive ops of one (layer, batch) run together."""
@@ -200,9 +218,15 @@ class PhaseBuilder:
             self.host("paging", f.layer, moved[0] + moved[1] + buffer_bytes(f.refresh_ops, w))
             for batch in batches(f.refresh_ops):  # the requests, then the copies they ask for
                 self.chain("paging", f.layer, "ops", "comm", ops=batch)
+            if f.heat is not None:  # heat.deferred (M18): the last step's heat update, here
+                self.heat_phase(f.layer, f.heat_ops, d.probe_s)
             x_seconds = self.expert_seconds(rows[f.layer], False)
             pipe = self.page_pipeline(f, rows[f.layer], moved, x_seconds) if n == 1 else None
             copy = self.copy_phase(f.layer, moved) if pipe is None else pipe[0]
+            if f.heat_moves.parts:  # after the layer's own copies on the copy stream: its experts do not wait
+                heat_moved = page_copy(f.heat_moves, w)
+                self.host("paging", f.layer, heat_moved[0] + heat_moved[1])
+                self.copy_phase(f.layer, heat_moved)
             self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer]),
                           ("combine", f.combine_ops), n, copy, pipeline=pipe)
         sync_phases: list[int] = []
@@ -255,12 +279,8 @@ class PhaseBuilder:
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
         self.host("heat", -1, np.zeros(w))
-        self.chain("heat", -1, "ops", "comm", ops=d.end.heat_ops)
         if d.end.heat is not None:
-            heat_s = np.full(w, self.compute.heat_update_time(m.num_layers * m.num_experts))
-            if d.probe_s is not None:  # M20: the probed experts' activations, on the GPUs holding them
-                heat_s = heat_s + d.probe_s
-            self.chain("heat", -1, "compute", "compute", seconds=heat_s)
+            self.heat_phase(-1, d.end.heat_ops, d.probe_s)
         moved = page_copy(MovesByRank.concat([d.sync.page_moves, d.end.page_moves]), w)
         self.host("paging", -1, moved[0] + moved[1])
         self.copy_phase(-1, moved)
@@ -269,6 +289,16 @@ class PhaseBuilder:
             seconds = self.compute.defrag_time(compacted * self.page_bytes)
             self.add("paging", -1, "wait", "copy", (self.main,), seconds=seconds)
         return self.phases
+
+    def heat_phase(self, layer: int, ops: list[CollectiveOp], probe_s: np.ndarray | None) -> None:
+        """A heat update (M18-M20) in the chain: its all-reduces, then the scoring on the
+        host and the probe activations on the GPUs holding the probed replicas."""
+        w = self.layout.world
+        self.chain("heat", layer, "ops", "comm", ops=ops)
+        seconds = np.full(w, self.compute.heat_update_time(self.s.model.num_layers * self.s.model.num_experts))
+        if probe_s is not None:
+            seconds = seconds + probe_s
+        self.chain("heat", layer, "compute", "compute", seconds=seconds)
 
     def creation_seconds(self, sync: SyncPlan) -> np.ndarray:
         """[W] seconds each rank spends creating the communicators the group cache missed

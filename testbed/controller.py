@@ -72,6 +72,13 @@ class LayerForward:
     dispatch_ops: list[CollectiveOp]
     combine_ops: list[CollectiveOp]
     page_moves: MovesByRank  # per paged rank: refresh rows then access rows
+    # heat.deferred (M18), layer 0 only: the last step's heat update, applied after this
+    # layer's access while its experts are pinned (M13's pending work); its page moves
+    # run beside this layer, not before its experts
+    heat: HeatUpdate | None = None
+    heat_moves: MovesByRank = field(default_factory=MovesByRank)
+    heat_ops: list[CollectiveOp] = field(default_factory=list)
+    frozen: dict[int, int] | None = None
 
     @property
     def dropped_slots(self) -> int:
@@ -138,6 +145,24 @@ class Controller:
         self._active: dict[int, np.ndarray] = {}
         #: (compute, memory, comm) heat of each step since the last heat update (M18)
         self._heat_pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        #: cumulative page accesses counted by the pagers, [paged ranks, local instances] (M18)
+        self._accesses_seen = np.zeros((len(self.paged_ranks), self._local.shape[1]))
+        #: heat.deferred: the pending steps of a due heat update not yet applied
+        self._deferred = None
+        #: the backend's (sum_over_ranks, probe) for heat updates (``set_heat_io``; not pickled)
+        self._heat_io = (None, None)
+        #: the heat update applied during the current step (at its end or, deferred, at layer 0)
+        self.applied_heat: HeatUpdate | None = None
+
+    def set_heat_io(self, sum_over_ranks=None, probe=None) -> None:
+        """The backend's heat all-reduce and M20 probe (see ``end_step``), for the heat
+        updates that run outside ``end_step`` (heat.deferred: at the next layer 0)."""
+        self._heat_io = (sum_over_ranks, probe)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_heat_io"] = (None, None)  # the backend's functions belong to the live run
+        return state
 
     # ---- placement helpers ----------------------------------------------------------------
     def local_instances(self, rank: int) -> np.ndarray:
@@ -159,6 +184,7 @@ class Controller:
         self.step = step
         self._kept.clear()
         self._active.clear()
+        self.applied_heat = None
         if free_memory and self.pool is not None and self.s.pager.free_memory == "device":
             self.pool.call("set_free_memory", {int(r): tuple(map(float, v)) for r, v in free_memory.items()
                                                if int(r) in self.pool.row_of})
@@ -181,14 +207,17 @@ class Controller:
         requests = self.refresh_request_ops(layer)
         refresh_ops, refreshed = self._refresh_stale(layer, active)
         p = self.planner
-        return LayerForward(
+        fwd = LayerForward(
             layer, routed, kept, active,
             route_ops=p.route_ops(layer),
             refresh_ops=requests + refresh_ops,
             dispatch_ops=p.token_ops("dispatch", layer, kept),
             combine_ops=p.token_ops("combine", layer, kept),
-            page_moves=MovesByRank.concat([refreshed, self._access(layer)]),
+            page_moves=MovesByRank(),
         )
+        deferred = self._apply_deferred(fwd) if layer == 0 and self._deferred is not None else None
+        fwd.page_moves = MovesByRank.concat([refreshed, self._access(layer, deferred)])
+        return fwd
 
     def stale_shards(self, layer: int) -> list[int]:
         """EP indices j whose experts of ``layer`` have a stale replica (M9), the same on
@@ -204,16 +233,21 @@ class Controller:
         shards = self.stale_shards(layer)
         return self.planner.refresh_request_ops(layer, shards) if shards else []
 
-    def _access(self, layer: int) -> MovesByRank:
+    def _access(self, layer: int, while_pinned=None) -> MovesByRank:
         """Pages of the layer's needed experts onto each GPU, pinned only while the layer
-        computes: the next layer may evict them (and the backward loads them again)."""
+        computes: the next layer may evict them (and the backward loads them again).
+        ``while_pinned()`` runs after the pins are taken, before they are released."""
         if self.pool is None:
+            if while_pinned is not None:
+                while_pinned()
             return MovesByRank()
         ranks = np.asarray(self.paged_ranks)
         experts = self._local_experts[ranks]  # [n, E/P]
         used = self._active[layer][self.layout.group_of[ranks][:, None], experts]
         inst = layer * self.E + experts
         moves = self.pool.call("access", {int(r): (inst[i][used[i]],) for i, r in enumerate(ranks)}, self.step)
+        if while_pinned is not None:
+            while_pinned()
         self.pool.call_all("end_step")  # unpin
         return moves
 
@@ -333,36 +367,80 @@ class Controller:
         the backend's heat all-reduce, [steps, L*E] -> the same summed over all ranks
         (None: what was passed is already the total). ``probe``: the backend's M20 probe
         activation, expert instances -> seconds each took to answer (``HeatMap.update``).
+        Both are kept for deferred updates (``set_heat_io``).
         """
+        if sum_over_ranks is not None or probe is not None:
+            self.set_heat_io(sum_over_ranks, probe)
+        sum_over_ranks, probe = self._heat_io
         kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
         tokens = kept.sum(axis=1).reshape(-1).astype(np.float64)
-        # every page of an expert is read in the forward and again in the backward
-        memory = (2 * active.sum(axis=1) * self.pages_per_expert).reshape(-1).astype(np.float64)
         compute = tokens if compute_heat is None else np.asarray(compute_heat, dtype=np.float64)
-        self._heat_pending.append((compute, memory, self._comm_heat_step))
+        self._heat_pending.append((compute, self._memory_heat(active), self._comm_heat_step))
         if not self.heat.is_due(self.step):
             return StepEnd(None, self._defragment())
         pending, self._heat_pending = self._heat_pending, []
-        computes = np.stack([c for c, _, _ in pending])  # [steps, L*E]
-        if sum_over_ranks is not None:
-            computes = sum_over_ranks(computes)
-        for c, (_, mem, comm) in zip(computes, pending):
+        if self.s.heat.deferred:  # M18 off the critical path: applied at the next step's layer 0
+            self._deferred = pending
+            return StepEnd(None, self._defragment())
+        update, heat_ops, moves, frozen = self._heat_update(pending, sum_over_ranks, probe)
+        if self.pool is None:
+            return StepEnd(update, moves, heat_ops)
+        return StepEnd(update, MovesByRank.concat([moves, self._defragment()]), heat_ops, frozen)
+
+    def _memory_heat(self, active: np.ndarray) -> np.ndarray:
+        """[L*E] this step's page accesses on this controller's GPUs (M18): what their
+        pagers counted (``RankPager.accesses``: every page of an expert each time it is
+        accessed, forward and backward); without paging, every page of each used
+        replica read twice (forward, backward) - the same count, from the routing."""
+        if self.pool is None:
+            return (2 * active.sum(axis=1) * self.pages_per_expert).reshape(-1).astype(np.float64)
+        pool = self.pool
+        counts = np.stack([p.accesses for p in pool.pagers])[pool.class_of].astype(np.float64)
+        delta, self._accesses_seen = counts - self._accesses_seen, counts
+        out = np.zeros(self.L * self.E)
+        np.add.at(out, self._local[self.paged_ranks].ravel(), delta.ravel())
+        return out
+
+    def _heat_update(self, pending, sum_over_ranks, probe):
+        """Record the pending steps' heat, update the heat map (M18-M20) and move pages
+        (M13, M19, M20): (update, heat ops, page moves, frozen per paged rank or None)."""
+        counted_here = self.pool is not None and sum_over_ranks is not None  # pagers of this rank only
+        if counted_here:  # compute and memory heat of this rank, summed over all ranks at once
+            both = sum_over_ranks(np.stack([np.stack([c, mem]) for c, mem, _ in pending]))  # [steps, 2, L*E]
+            computes, memories = both[:, 0], both[:, 1]
+        else:
+            computes = np.stack([c for c, _, _ in pending])  # [steps, L*E]
+            if sum_over_ranks is not None:
+                computes = sum_over_ranks(computes)
+            memories = [mem for _, mem, _ in pending]
+        for c, mem, (_, _, comm) in zip(computes, memories, pending):
             self.heat.record(c, mem, comm)
         update = self.heat.update(self.step, probe)
+        self.applied_heat = update
         heat_ops = self.planner.heat_ops(len(pending)) + self.planner.probe_ops(int(update.probed.sum()))
+        if self.pool is None:
+            return update, heat_ops, MovesByRank(), None
         level = np.percentile(update.scores, self.s.pager.cold_percentile)
         below_cold = below(update.scores, level)
-        moves = MovesByRank()
-        if self.pool is not None:
-            per_rank = {}
-            for r in self.paged_ranks:
-                local = self.local_instances(r)
-                per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
-            moves = self.pool.call("heat_update", per_rank, self.step)
-            frozen = {r: len(self.pool.pager_of(r).frozen_experts()) for r in self.paged_ranks}
-            return StepEnd(update, MovesByRank.concat([moves, self._defragment()]), heat_ops, frozen)
-        return StepEnd(update, moves, heat_ops)
+        per_rank = {}
+        for r in self.paged_ranks:
+            local = self.local_instances(r)
+            per_rank[r] = (below_cold[local], update.states[local], update.woken[local])
+        moves = self.pool.call("heat_update", per_rank, self.step)
+        frozen = {r: len(self.pool.pager_of(r).frozen_experts()) for r in self.paged_ranks}
+        return update, heat_ops, moves, frozen
+
+    def _apply_deferred(self, fwd: LayerForward):
+        """heat.deferred (M18): the last step's due heat update, to run while layer 0's
+        experts are pinned (M13: they have pending work, so they are not migrated now);
+        its results go into ``fwd``."""
+        pending, self._deferred = self._deferred, None
+        sum_over_ranks, probe = self._heat_io
+
+        def run():
+            fwd.heat, fwd.heat_ops, fwd.heat_moves, fwd.frozen = self._heat_update(pending, sum_over_ranks, probe)
+        return run
 
     def _defragment(self) -> MovesByRank:
         """M17: at the step's end, compact the device pool of every paged GPU whose pool

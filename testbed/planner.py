@@ -251,11 +251,14 @@ class Planner:
         that every rank's heat map, and the pager decisions drawn from it, are the same.
         Not needed for kept slots with one replica: the route all_gather already gave
         every rank the world's counts."""
-        if len(self.world) < 2 or (self.s.heat.compute_source != "measured" and self.layout.replicas < 2):
+        paged = self.s.pager.enabled  # memory heat is counted by each GPU's pager: summed too
+        if len(self.world) < 2 or (not paged and self.s.heat.compute_source != "measured" and self.layout.replicas < 2):
             return []
         m = self.s.model
-        return [CollectiveOp("all_reduce", self.world, "heat", size=steps * m.num_layers * m.num_experts * HEAT_BYTES,
-                             label=f"compute heat of {steps} steps")]
+        rows = 2 if paged else 1
+        what = "compute and memory heat" if paged else "compute heat"
+        return [CollectiveOp("all_reduce", self.world, "heat", size=steps * rows * m.num_layers * m.num_experts * HEAT_BYTES,
+                             label=f"{what} of {steps} steps")]
 
     def probe_ops(self, probed: int) -> list[CollectiveOp]:
         """M20 at a heat update: the seconds each of the ``probed`` experts took to answer its

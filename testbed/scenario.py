@@ -160,6 +160,7 @@ class HeatConfig:
     wake_fraction: float = doc("M20: fraction of frozen experts probed when the cold level rises", 0.05, check=fraction)
     probe_tokens: int = doc("M20: tokens of a probe activation (the probed expert's weights brought from where they are and run on them)", 16, check=positive)
     probe_timeout_ms: float = doc("M20: a probed expert that answers within this many ms becomes Warm again", 10.0, check=non_negative)
+    deferred: bool = doc("M18: a due heat update runs off the step's critical path: at the next step's first layer, after its access (its experts, having pending work, are not migrated then, M13), its page moves on the copy stream beside that layer instead of at the step's end", False)
     compute_source: str = doc("compute heat from routed tokens (identical on both backends) or measured kernel time", "tokens", choices=("tokens", "measured"))
 
 

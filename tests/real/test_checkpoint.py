@@ -52,8 +52,11 @@ def same_final_weights(a, b):
             assert torch.equal(wa, wb) and torch.equal(ba, bb)
 
 
-def test_killed_run_resumes_bit_identically(tmp_path):
-    s = scenario(tmp_path)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_killed_run_resumes_bit_identically(tmp_path, deferred):
+    """With heat.deferred (M18) every checkpoint (after steps 2, 4, 6: heat updates are due
+    after steps 1, 3, 5) holds an update the next step applies at its first layer."""
+    s = scenario(tmp_path).replace(heat={"deferred": deferred})
     straight = RealBackend().run(s, run_dir=tmp_path / "straight", debug={"capture": True})
     with pytest.raises(RunError, match="rank 1 died"):
         RealBackend().run(s, run_dir=tmp_path / "killed", debug={"fail_at": {"rank": 1, "after_steps": 7}})

@@ -56,3 +56,18 @@ def test_the_modelled_answer_is_the_pages_copied_then_the_forward(tmp_path):
     copies = 4 * sim.builder.compute.copy_time(16 * 1024)
     own = int(sim.controller.local_instances(0)[list(pager.experts).index(int(frozen[0]))])
     assert probe.answer_s(0, own) == pytest.approx(copies + compute)
+
+
+def test_a_deferred_heat_update_on_real_ranks(tmp_path):
+    """heat.deferred (M18) on 4 CPU ranks with checkpoints (the controller is pickled with
+    an update pending): cold migrations and wake-ups still happen, at the next step's
+    first layer, and the heat stage is timed there."""
+    s = heat_drift(tmp_path, 12, 1000.0).replace(heat={"deferred": True},
+                                                 checkpoint={"enabled": True, "optimizer_interval": 1,
+                                                             "directory": str(tmp_path / "ckpt")})
+    result = RealBackend().run(s)
+    summary = summarize(result.records, 0)
+    moves = summary["moves_by_reason"]
+    assert moves.get("cold", 0) > 0 and moves.get("wake", 0) > 0
+    assert summary["heat_updates"] > 0
+    assert all(r.stage_time_s["heat"] > 0 for r in result.records[2:] if r.expert_states is not None)

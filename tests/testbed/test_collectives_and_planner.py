@@ -147,7 +147,10 @@ def test_routed_counts_travel_within_each_ep_group_not_the_world():
     # one EP group = the world: the same all-gather tells every rank everything, no other world view
     one = Planner(s.replace(parallelism={"ep_size": 8}))
     assert [op.members for op in one.route_ops(0)] == [tuple(range(8))]
-    assert one.discovery_ops() == [] and one.heat_ops() == []
+    assert one.discovery_ops() == [] and one.heat_ops(1)[0].size == 2 * s.model.num_layers * s.model.num_experts * 8
+    # ... but each GPU's pager counts its own page accesses (M18): without paging, no heat all-reduce
+    unpaged = Planner(s.replace(parallelism={"ep_size": 8}, pager={"enabled": False}))
+    assert unpaged.heat_ops() == []
 
 
 def test_the_world_view_is_one_bit_packed_discovery_and_one_heat_all_reduce():
@@ -156,8 +159,8 @@ def test_the_world_view_is_one_bit_packed_discovery_and_one_heat_all_reduce():
     (disc,) = p.discovery_ops()
     assert (disc.kind, disc.members, disc.stage, disc.layer) == ("all_gather", tuple(range(8)), "expert_sync", -1)
     assert disc.size == -(-3 * 12 // 8)  # L x E bits
-    (heat,) = p.heat_ops(10)  # the steps since the last heat update
-    assert (heat.kind, heat.members, heat.stage, heat.size) == ("all_reduce", tuple(range(8)), "heat", 10 * 3 * 12 * 8)
+    (heat,) = p.heat_ops(10)  # the steps since the last heat update: compute and memory heat
+    assert (heat.kind, heat.members, heat.stage, heat.size) == ("all_reduce", tuple(range(8)), "heat", 10 * 2 * 3 * 12 * 8)
     req = p.refresh_request_ops(1, [2])
     assert [(op.kind, op.members, op.stage, op.layer, op.size) for op in req] == [
         ("all_gather", (2, 6), "paging", 1, 1)]  # 3 experts of shard 2 -> 3 bits -> 1 byte

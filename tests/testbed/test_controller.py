@@ -104,7 +104,7 @@ def test_a_rank_local_controller_takes_the_same_decisions_as_the_global_one():
 def told_step(c, step, routed, rank, heat_history):
     """One step of the controller of real rank ``rank``, told only what the planner's ops
     bring it: its EP group's counts (route), its shard's refresh requests, the discovery
-    (sync) and, at heat updates, the compute heat summed over ranks (end_step;
+    (sync) and, at heat updates, the compute and memory heat summed over ranks (end_step;
     ``heat_history``: every step's world totals so far, which that all-reduce returns)."""
     lay, s = c.layout, c.s
     g, j, n = lay.group_of[rank], lay.index_of[rank], lay.experts_per_rank
@@ -121,11 +121,16 @@ def told_step(c, step, routed, rank, heat_history):
         fwd.append(c.forward_layer(l, mine, told))
     bwd = [c.backward_layer(l) for l in reversed(range(c.L))]
     sync = c.sync(active_world)
-    heat_history.append(kept_world.sum(axis=1).reshape(-1).astype(float))
+    # the world's compute heat, and its memory heat: every page of each used replica
+    # accessed forward and backward, which is what all the pagers together count (M18)
+    memory_world = (2 * active_world.sum(axis=1) * c.pages_per_expert).reshape(-1).astype(float)
+    heat_history.append(np.stack([kept_world.sum(axis=1).reshape(-1).astype(float), memory_world]))
     summed = []
 
     def sum_over_ranks(own):  # the all-reduce: this rank's rows in, the world's out
-        assert np.array_equal(own[-1], kept_world[:, rank].reshape(-1))
+        assert own.shape[1] == 2  # compute and memory heat of this rank
+        assert np.array_equal(own[-1][0], kept_world[:, rank].reshape(-1))
+        assert own[-1][1].sum() <= memory_world.sum() and own[-1][1].sum() > 0
         summed.append(len(own))
         return np.stack(heat_history[-len(own):])
 
@@ -187,9 +192,11 @@ def test_the_world_view_is_costed_once_per_step_and_heat_once_per_heat_update():
         if step % 2 == 0:
             assert end.heat is None and end.heat_ops == []
         else:
-            (op,) = end.heat_ops
+            op, *probes = end.heat_ops  # and, when frozen experts were probed, their answers (M20)
+            assert [p.label for p in probes] == ([f"probe answers of {end.heat.probed.sum()} experts"]
+                                                 if end.heat.probed.any() else [])
             assert (op.kind, op.stage, op.members) == ("all_reduce", "heat", world)
-            assert op.size == 2 * s.model.num_layers * s.model.num_experts * 8
+            assert op.size == 2 * 2 * s.model.num_layers * s.model.num_experts * 8  # compute and memory
 
 
 def test_heat_updates_when_due_and_moves_are_counted():
