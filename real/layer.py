@@ -75,6 +75,8 @@ class LayerRunner:
         if plan.heat_moves.parts:  # heat.deferred (M18): after the layer's own copies, beside it
             clock.switch("heat")
             r.execute_moves(plan.heat_moves.get(r.rank))
+            clock.switch("paging")
+        r.execute_moves(plan.prefetch_moves.get(r.rank))  # M14: the next layer's first pages, beside this one
         clock.switch("dispatch")
         slot_idx = source_slots(routing.experts_TK, routing.keep_TK, int(plan.kept[r.rank].sum()))
         instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]

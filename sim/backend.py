@@ -248,7 +248,7 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
     and memory from the simulated timeline. ``ledger``: an empty one to count into (the
     trace then reuses its counts), a new one by default."""
     ledger = ledger if ledger is not None else ByteLedger(sim.layout)
-    moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves]
+    moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves] + [f.prefetch_moves for f in d.forward]
     for f in d.forward:
         for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops:
             ledger.add_op(op)

@@ -210,6 +210,7 @@ class PhaseBuilder:
         grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes for layer, r in rows.items()}
         self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
         tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
+        prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
         for f in d.forward:
             self.host("route", f.layer, tokens)
             self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
@@ -223,10 +224,17 @@ class PhaseBuilder:
             x_seconds = self.expert_seconds(rows[f.layer], False)
             pipe = self.page_pipeline(f, rows[f.layer], moved, x_seconds) if n == 1 else None
             copy = self.copy_phase(f.layer, moved) if pipe is None else pipe[0]
-            if f.heat_moves.parts:  # after the layer's own copies on the copy stream: its experts do not wait
-                heat_moved = page_copy(f.heat_moves, w)
-                self.host("paging", f.layer, heat_moved[0] + heat_moved[1])
-                self.copy_phase(f.layer, heat_moved)
+            if copy < 0 and pipe is None:  # nothing loads on demand: the experts wait for what came ahead (M14)
+                copy = prefetched
+            prefetched = -1
+            # after the layer's own copies on the copy stream, so its experts do not wait for them:
+            # a deferred heat update's moves (M18), then the next layer's prefetch (M14)
+            for extra, is_prefetch in ((f.heat_moves, False), (f.prefetch_moves, True)):
+                if extra.parts:
+                    extra_moved = page_copy(extra, w)
+                    self.host("paging", f.layer, extra_moved[0] + extra_moved[1])
+                    phase = self.copy_phase(f.layer, extra_moved)
+                    prefetched = phase if is_prefetch else prefetched
             self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer]),
                           ("combine", f.combine_ops), n, copy, pipeline=pipe)
         sync_phases: list[int] = []

@@ -79,6 +79,9 @@ class LayerForward:
     heat_moves: MovesByRank = field(default_factory=MovesByRank)
     heat_ops: list[CollectiveOp] = field(default_factory=list)
     frozen: dict[int, int] | None = None
+    # pager.prefetch_ahead (M14): the next layer's predicted-first pages, loaded while this
+    # layer computes (its experts pinned); run after this layer's own copies, beside it
+    prefetch_moves: MovesByRank = field(default_factory=MovesByRank)
 
     @property
     def dropped_slots(self) -> int:
@@ -143,6 +146,7 @@ class Controller:
         self.step = -1
         self._kept: dict[int, np.ndarray] = {}
         self._active: dict[int, np.ndarray] = {}
+        self._active_before: dict[int, np.ndarray] = {}
         #: (compute, memory, comm) heat of each step since the last heat update (M18)
         self._heat_pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         #: cumulative page accesses counted by the pagers, [paged ranks, local instances] (M18)
@@ -182,6 +186,7 @@ class Controller:
         rank, (bytes free on its device outside the page pool, device bytes), from the
         allocator on a GPU or the backend's model; it sets each pager's reserve."""
         self.step = step
+        self._active_before = dict(self._active)  # the last step's users per layer: M14's prediction
         self._kept.clear()
         self._active.clear()
         self.applied_heat = None
@@ -216,8 +221,26 @@ class Controller:
             page_moves=MovesByRank(),
         )
         deferred = self._apply_deferred(fwd) if layer == 0 and self._deferred is not None else None
-        fwd.page_moves = MovesByRank.concat([refreshed, self._access(layer, deferred)])
+
+        def while_pinned():
+            if deferred is not None:
+                deferred()
+            fwd.prefetch_moves = self._prefetch(layer + 1)
+
+        fwd.page_moves = MovesByRank.concat([refreshed, self._access(layer, while_pinned)])
         return fwd
+
+    def _prefetch(self, layer: int) -> MovesByRank:
+        """M14 (``pager.prefetch_ahead``): the predicted-first pages of ``layer``'s experts
+        that each GPU's EP group used there in the last step, ahead of the layer."""
+        if self.pool is None or not self.s.pager.prefetch_ahead or layer >= self.L or layer not in self._active_before:
+            return MovesByRank()
+        ranks = np.asarray(self.paged_ranks)
+        experts = self._local_experts[ranks]  # [n, E/P]
+        used = self._active_before[layer][self.layout.group_of[ranks][:, None], experts]
+        inst = layer * self.E + experts
+        wanted = {int(r): (inst[i][used[i]],) for i, r in enumerate(ranks) if used[i].any()}
+        return self.pool.call("prefetch", wanted, self.step) if wanted else MovesByRank()
 
     def stale_shards(self, layer: int) -> list[int]:
         """EP indices j whose experts of ``layer`` have a stale replica (M9), the same on

@@ -235,9 +235,10 @@ class RankPager:
         return self._load(stale, PEER, REFRESH, step)
 
     def access(self, experts: Sequence[int], step: int) -> PageMoves:
-        """These experts compute now: load every missing page from host, pin all their
-        pages for this step, then keep the M15 reserve free. A NONE page raises
-        ValueError (the caller must ``refresh`` first)."""
+        """These experts compute now: load every missing page from host (on demand: what
+        ``prefetch`` brought ahead is already there), pin all their pages for this step,
+        then keep the M15 reserve free. A NONE page raises ValueError (the caller must
+        ``refresh`` first)."""
         local = self._local(experts)
         pages = self._pages(local)
         if np.any(self._location[pages] == NONE):
@@ -252,17 +253,31 @@ class RankPager:
         if not len(missing):  # all resident: nothing loads, the reserve only shrinks by loads
             self._frozen[local] = False
             return PageMoves.concat([self._emergency()]) if self._reserve_short() else PageMoves.empty()
-        reason = np.full(len(missing), DEMAND, dtype=np.int8)
-        if len(missing) and self.config.prefetch_pages and self._frozen[local].any():
-            # M14: the first pages of a cold expert come as one prefetch, the rest on demand.
-            owner = self._page_expert[missing]
-            first = np.r_[True, owner[1:] != owner[:-1]]
-            start = np.maximum.accumulate(np.where(first, np.arange(len(missing)), 0))
-            rank_in_expert = np.arange(len(missing)) - start
-            reason[self._frozen[owner] & (rank_in_expert < self.config.prefetch_pages)] = PREFETCH
+        reason = DEMAND  # pages M14 loaded ahead (``prefetch``) are hits now; the rest come on demand
         self._frozen[local] = False
         loads = self._load(missing, HOST, reason, step)
         return PageMoves.concat([loads, self._emergency()])
+
+    def prefetch(self, experts: Sequence[int], step: int) -> PageMoves:
+        """M14: load ahead the predicted-first pages of experts about to be needed - the
+        first ``config.prefetch_pages`` pages of each (page order) that are off the GPU
+        (HOST: a stale page waits for its refresh), into free slots above the M15
+        reserve: it never evicts (what would go first, the least recent pages, are the
+        later layers' pages of the last step, needed next) and what does not fit is not
+        prefetched. Rows of reason
+        ``prefetch``; the expert's remaining pages load on demand when it is accessed."""
+        local = self._local(experts)
+        if not len(local) or not self.config.prefetch_pages:
+            return PageMoves.empty()
+        pages = self._pages(local).reshape(len(local), self.pages_per_expert)[:, :self.config.prefetch_pages].ravel()
+        wanted = pages[self._location[pages] == HOST]
+        # Free slots above the M15 reserve only, never an eviction: the least recent pages
+        # are the later layers' of the last step, which this step needs next.
+        wanted = wanted[:max(0, self.free_slots - self.reserve_slots)]
+        if not len(wanted):
+            return PageMoves.empty()
+        self._frozen[np.unique(self._page_expert[wanted])] = False  # pages are coming back
+        return self._load(wanted, HOST, PREFETCH, step)
 
     def apply_update(self, experts: Sequence[int]) -> PageMoves:
         """The optimizer updated these experts: GPU pages become dirty; host-only pages

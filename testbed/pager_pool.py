@@ -24,7 +24,7 @@ from testbed.pager import RankPager
 from testbed.scenario import PagerConfig
 
 #: methods whose first argument is a list of expert instances (translated per GPU)
-EXPERT_LIST_METHODS = ("refresh", "access", "apply_update", "invalidate")
+EXPERT_LIST_METHODS = ("refresh", "access", "prefetch", "apply_update", "invalidate")
 
 
 class MovesByRank:

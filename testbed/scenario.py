@@ -136,7 +136,8 @@ class PagerConfig:
     eviction_order: str = doc("M15: emergency victims clean_first (clean before dirty, then least recent: cheapest write-back) or scored (the seed's: most dirtiness, fewest references first)", "clean_first", choices=("clean_first", "scored"))
     cold_percentile: float = doc("M13: an expert below this heat percentile ...", 10.0, check=percentile)
     cold_consecutive_updates: int = doc("M13: ... for this many consecutive heat updates moves to host", 5, check=positive)
-    prefetch_pages: int = doc("M14: pages prefetched when a cold expert is activated again", 3, check=non_negative)
+    prefetch_pages: int = doc("M14: an expert's predicted-first pages: loaded ahead by prefetch_ahead, and when a frozen expert wakes (M20)", 3, check=non_negative)
+    prefetch_ahead: bool = doc("M14: while a layer computes, load the first prefetch_pages pages of the next layer's experts that the last step used there and that are off the GPU (the rest load on demand when the layer comes)", False)
     defrag_threshold: float = doc("M17: compact the device pool at a step's end when more than this share of the "
                                   "experts with two or more pages on the GPU have them out of slot order (0 = never)",
                                   0.0, check=fraction)

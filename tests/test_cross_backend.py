@@ -43,12 +43,15 @@ def test_measured_heat_all_reduce_is_planned(tmp_path):
     update (every 2 steps here), those of the steps since the last one in one all-reduce;
     the planner plans it, so the heat stage moves the same bytes in the replay: per
     measured step (1-4), 2 steps' worth every other step. (Page moves may differ: the
-    pager follows measured, not simulated, heat.)"""
+    pager follows measured, not simulated, heat; so may the M20 probes' answers, 8 bytes
+    per probed expert, fewer than L x E.)"""
     s = scenario(tmp_path, "alltoall", "allreduce").replace(heat={"compute_source": "measured"},
                                                             real={"check_weights": False})
     real = run_scenario(s, "real")
     replay = run_scenario(s.replace(workload={"trace": real["run_dir"]}), "sim")
     world, experts, layers = s.world_size, s.model.num_experts, s.model.num_layers
-    assert real["bytes_by_stage"]["heat"] == replay["bytes_by_stage"]["heat"] == 2 * (world - 1) * layers * experts * 8
+    heat = 2 * (world - 1) * 2 * layers * experts * 8  # compute and memory heat (paged: M18)
+    for side in (real, replay):
+        assert heat <= side["bytes_by_stage"]["heat"] < heat + (world - 1) * layers * experts * 8
     for stage in ("dispatch", "combine", "expert_sync", "dense_sync"):
         assert real["bytes_by_stage"][stage] == replay["bytes_by_stage"][stage]

@@ -35,8 +35,11 @@ def test_counts_travel_within_ep_groups_and_the_replay_moves_the_same_bytes(tmp_
     # once per step: discovery, L x E bits from each of 4 ranks to the 3 others
     (discovery,) = Planner(s).discovery_ops()
     assert discovery.wire_bytes == 4 * 3 * (m.num_layers * m.num_experts // 8)
-    # once per heat update (every 2 steps): 2 steps of L x E float64 heat, all-reduced
-    assert real["bytes_by_stage"]["heat"] == 2 * 3 * (2 * m.num_layers * m.num_experts * 8) / 2
+    # once per heat update (every 2 steps): 2 steps of L x E float64 compute and memory heat
+    # (each GPU's pager counts its own accesses, M18), all-reduced; and the answers of the
+    # probed experts (M20: 8 bytes each, fewer than L x E)
+    heat = 2 * 3 * (2 * 2 * m.num_layers * m.num_experts * 8) / 2
+    assert heat <= real["bytes_by_stage"]["heat"] < heat + 2 * 3 * (m.num_layers * m.num_experts * 8) / 2
 
 
 def test_stale_replicas_are_refreshed_from_replicas_that_are_up_to_date(tmp_path):

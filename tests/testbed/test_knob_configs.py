@@ -106,11 +106,11 @@ def test_heat_drift_heat_policies_fire(repo_root, tmp_path):
     # A heat update every step: 38 after the 2 warm-up steps; cold migration needs 5.
     assert updates >= 5
     assert summary["heat_updates"] >= 5 + warmup
-    # Page-move rows over the run: cold 407, prefetch 249, wake 36 (12 wake-ups of 3
+    # Page-move rows over the run: cold 411, prefetch 105, wake 45 (15 wake-ups of 3
     # pages); required: at least a quarter of each.
     assert moves.get("cold", 0) >= 100
-    assert moves.get("prefetch", 0) >= 60
-    assert moves.get("wake", 0) >= 9
+    assert moves.get("prefetch", 0) >= 26
+    assert moves.get("wake", 0) >= 11
     # The first migration comes after the 5th update, so after step 4, never before.
     first_cold = min(r.step for r in steps if (r.moves_by_reason or {}).get("cold", 0))
     assert first_cold >= 4
@@ -124,12 +124,12 @@ def test_heat_drift_weights_change_moves_and_step_time(repo_root, tmp_path):
             for w in ((0.5, 0.3, 0.2), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))}
     moves = {w: s["page_moves_per_step"] for w, s in runs.items()}
     default, compute, memory, comm = runs
-    # Page moves per step: 20.7 (default), 23.7 (compute only), 9.3 (memory only), 0
+    # Page moves per step: 21.2 (default), 23.8 (compute only), 9.5 (memory only), 0
     # (comm only: under allreduce sync every expert has the same comm heat, none is cold).
     assert moves[comm] == 0 and not (runs[comm]["moves_by_reason"] or {}).get("cold")
     assert moves[default] > 1.5 * moves[memory] > 0  # 2.2x; required: 1.5x
-    assert abs(moves[compute] - moves[default]) > 0.05 * moves[default]  # 14 %; required: 5 %
-    # The copies cost step time: 3.067 ms against 2.972 ms without any (+3.2 %); required: +1 %.
+    assert abs(moves[compute] - moves[default]) > 0.05 * moves[default]  # 12 %; required: 5 %
+    # The copies cost step time: 3.285 ms against 3.172 ms without any (+3.6 %); required: +1 %.
     assert runs[default]["step_time_s"] > 1.01 * runs[comm]["step_time_s"]
 
 

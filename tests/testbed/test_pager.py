@@ -186,18 +186,35 @@ def test_cold_migration_needs_cold_state_and_a_streak():
     p.check_invariants()
 
 
-def test_access_after_cold_migration_prefetches_first_pages():
+def test_a_cold_expert_comes_back_with_its_first_pages_ahead_and_the_rest_on_demand():
+    """M14: prefetch loads the predicted-first 3 of A's 4 pages (A was cold-migrated);
+    the access then loads only the 4th, on demand, and the prefetched ones are hits."""
     p = pager(experts=[A, B], expert_bytes=40, cold_consecutive_updates=1, prefetch_pages=3)
     p.heat_update(*heat_args(2, cold=[0], below=[0]), step=0)
     assert p.frozen_experts().tolist() == [A]
-    m = p.access([B, A], step=1)
-    assert rows(m) == [(A, i, i, "host", "gpu", 10, "prefetch" if i < 3 else "demand") for i in range(4)]
+    m = p.prefetch([A, B], step=1)  # B is resident: nothing to fetch for it
+    assert rows(m) == [(A, i, i, "host", "gpu", 10, "prefetch") for i in range(3)]
     assert len(p.frozen_experts()) == 0
+    p.check_invariants()
+    m = p.access([B, A], step=1)
+    assert rows(m) == [(A, 3, 3, "host", "gpu", 10, "demand")]
     np.testing.assert_array_equal(p.state, [ACTIVE] * 8)
-    # Not frozen any more: a later miss is plain demand.
     p.end_step()
-    p.invalidate([A])
-    p.refresh([A], 2)
+    p.check_invariants()
+
+
+def test_prefetch_takes_free_slots_above_the_reserve_and_never_evicts():
+    """5 slots, 1 kept free (M15): A and B resident (4 slots), C on the host. No slot is
+    free above the reserve: prefetching C does nothing. Without a reserve, and C
+    cold-migrated (one slot free), C's first page takes that slot, and nothing is evicted."""
+    p = small()
+    assert len(p.prefetch([C], step=1)) == 0
+    p = pager(budget=50, free=0.0, cold_consecutive_updates=1)
+    p.heat_update(*heat_args(3, cold=[2], below=[2]), step=0)
+    assert p.frozen_experts().tolist() == [C] and p.free_slots == 1
+    m = p.prefetch([C], step=1)
+    assert rows(m) == [(C, 0, 4, "host", "gpu", 10, "prefetch")]  # the prefetch cut at the room there is
+    assert loc(p, A) == [GPU, GPU] and loc(p, B) == [GPU, GPU]
     p.check_invariants()
 
 
@@ -362,7 +379,7 @@ def histories(draw):
     # M15 with free_memory = device: the device's free memory outside the pool changes
     squeeze = st.tuples(st.just("free"), st.integers(0, 12 * page), st.integers(page, 40 * page))
     op = st.one_of(access, access, access, heat_update, heat_update, end_step, end_step, squeeze,
-                   st.tuples(st.just("refresh"), subset),
+                   st.tuples(st.just("refresh"), subset), st.tuples(st.just("prefetch"), subset),
                    st.tuples(st.just("update"), subset),
                    st.tuples(st.just("invalidate"), subset))
     return n_experts, expert_bytes, config, draw(st.lists(op, max_size=40))
@@ -394,6 +411,10 @@ def test_any_history_keeps_every_page_and_the_table_consistent(history):
                 assert np.all(p.refcount[pages] > 0)
         elif kind == "refresh":
             shadow.execute(p.refresh(ids[args[0]], step))
+        elif kind == "prefetch":  # M14: never past the budget, never into the M15 reserve
+            before = p.used_slots
+            shadow.execute(p.prefetch(ids[args[0]], step))
+            assert p.used_slots <= max(before, p.capacity_slots - p.reserve_slots)
         elif kind == "update":
             local = np.unique(np.array(args[0], dtype=np.int64))
             moves = p.apply_update(ids[local])
