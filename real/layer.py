@@ -72,7 +72,7 @@ class LayerRunner:
             raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
         r.refresh(plan.refresh_ops)
         r.execute_moves(plan.page_moves.get(r.rank), r.take_incoming(), forward=True)
-        if plan.heat_moves.parts:  # heat.deferred (M18): after the layer's own copies, beside it
+        if not plan.heat_moves.empty:  # heat.deferred (M18): after the layer's own copies, beside it
             clock.switch("heat")
             r.execute_moves(plan.heat_moves.get(r.rank))
             clock.switch("paging")

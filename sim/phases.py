@@ -230,7 +230,7 @@ class PhaseBuilder:
             # after the layer's own copies on the copy stream, so its experts do not wait for them:
             # a deferred heat update's moves (M18), then the next layer's prefetch (M14)
             for extra, is_prefetch in ((f.heat_moves, False), (f.prefetch_moves, True)):
-                if extra.parts:
+                if not extra.empty:
                     extra_moved = page_copy(extra, w)
                     self.host("paging", f.layer, extra_moved[0] + extra_moved[1])
                     phase = self.copy_phase(f.layer, extra_moved)

@@ -41,13 +41,22 @@ class MovesByRank:
         self.local, self.row_of = local, row_of or {}
         self._where = {int(r): k for k, (ranks, _, _) in enumerate(self.parts) for r in ranks}
 
+    @property
+    def empty(self) -> bool:
+        """No GPU moved anything."""
+        return not self.parts
+
     @classmethod
     def concat(cls, items: list["MovesByRank"]) -> "MovesByRank":
-        """Per GPU: the rows of ``items`` one after the other."""
-        items = [m for m in items if m.parts]
-        if len(items) == 1:
-            return items[0]
-        return _Concatenated(items)
+        """Per GPU: the rows of ``items`` one after the other (concatenations are
+        flattened, so nothing nested is lost)."""
+        flat = []
+        for m in items:
+            flat.extend(m.items if isinstance(m, _Concatenated) else [m])
+        flat = [m for m in flat if not m.empty]
+        if len(flat) == 1:
+            return flat[0]
+        return _Concatenated(flat)
 
     def get(self, rank: int, default=None) -> PageMoves | None:
         k = self._where.get(rank)
@@ -87,6 +96,10 @@ class _Concatenated(MovesByRank):
     def get(self, rank: int, default=None):
         pieces = [m.get(rank) for m in self.items if rank in m]
         return PageMoves.concat(pieces) if pieces else default
+
+    @property
+    def empty(self) -> bool:
+        return all(m.empty for m in self.items)
 
     def groups(self):
         for m in self.items:

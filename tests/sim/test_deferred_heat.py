@@ -37,7 +37,7 @@ def test_a_deferred_update_lands_in_the_next_steps_first_layer_and_spares_pinned
         assert not any((m.reason == COLD_MIGRATION).any() for _, m in d.end.page_moves.groups())
         f0 = d.forward[0]
         if f0.heat is None:
-            assert not f0.heat_moves.parts
+            assert f0.heat_moves.empty
             continue
         assert c.heat.is_due(step - 1)  # the update that was due at the last step's end
         layer0 = np.arange(s.model.num_experts)  # instances of layer 0

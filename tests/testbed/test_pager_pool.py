@@ -78,3 +78,22 @@ def test_rows_not_in_order_and_other_arguments_take_the_gpu_by_gpu_path():
     pool = PagerPool(RANKS, np.stack([local_of(r) for r in RANKS]), 40, CFG)
     assert pool._expert_list_keys([0], [(np.array([3]), 7)]) is None
     assert pool._expert_list_keys([0], [(np.array([[3]]),)]) is None
+
+
+def test_a_concatenation_of_concatenations_keeps_every_row():
+    """The step's end concatenates the heat update's moves with M17's compaction, and the
+    simulator concatenates that with the sync's moves: nothing nested may be lost."""
+    from testbed.pager_pool import MovesByRank, PagerPool
+    from testbed.scenario import PagerConfig
+
+    pool = PagerPool([0, 1], np.array([[0, 1], [2, 3]]), 20, PagerConfig(page_size_bytes=10, gpu_budget_bytes=20))
+    a = pool.call("access", {0: ([1],)}, 0)
+    b = pool.call("access", {1: ([3],)}, 0)
+    c = pool.call("access", {0: ([0],), 1: ([2],)}, 1)
+    assert not any(m.empty for m in (a, b, c))
+    inner = MovesByRank.concat([a, b])
+    outer = MovesByRank.concat([MovesByRank(), inner, c])
+    rows = lambda m: sum(len(moves) * len(ranks) for ranks, moves in m.groups())  # noqa: E731
+    assert not outer.empty and rows(outer) == rows(a) + rows(b) + rows(c) > 0
+    assert len(outer.get(0)) == len(a.get(0)) + len(c.get(0))
+    assert MovesByRank.concat([MovesByRank(), MovesByRank()]).empty
