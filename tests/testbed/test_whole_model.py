@@ -1,0 +1,85 @@
+"""Closed forms of a whole transformer's step (testbed/whole_model.py): about 6 x
+parameters x tokens FLOPs for a dense training step, 16 bytes per parameter for
+mixed-precision Adam (and ZeRO's shards of it), the 1F1B bubble (p - 1) / (m + p - 1),
+activation bytes per layer as Korthikanti et al. give them, and MFU."""
+
+import pytest
+
+from testbed.whole_model import (
+    TransformerShape,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    mfu,
+    optimizer_bytes_per_param,
+)
+
+GPT3 = TransformerShape(layers=96, hidden=12288, heads=96, kv_heads=96, dense_ffn=4 * 12288, vocab=50257,
+                        tied_embeddings=True)
+
+
+def test_a_gpt3_shape_has_175b_parameters():
+    # 12 L H^2 for attention and a 4H FFN, plus the embedding: 174.6e9 (GPT-3's "175B")
+    assert GPT3.params == 96 * 12 * 12288**2 + 50257 * 12288
+    assert GPT3.params == pytest.approx(175e9, rel=0.01)
+
+
+def test_a_dense_step_is_about_six_flops_per_parameter_and_token():
+    tokens = 2048 * 1536  # GPT-3's batch of 1,536 sequences of 2,048
+    flops = GPT3.step_flops(tokens, seq_len=2048)
+    attention = 3 * tokens * 96 * 2 * 2 * 2048 * 12288 * 0.5  # scores and values, causal, fwd + bwd
+    assert flops == pytest.approx(6 * GPT3.params * tokens + attention, rel=1e-12)
+    assert flops == pytest.approx(6 * GPT3.params * tokens, rel=0.02)  # attention adds s / 12 H = 1.4 %
+    assert GPT3.step_flops(tokens, 2048, recompute=True) == pytest.approx(flops * 4 / 3)
+
+
+def test_an_moe_token_meets_only_its_top_k_experts():
+    moe = TransformerShape(layers=4, hidden=1024, heads=16, kv_heads=4, dense_ffn=4096, vocab=32000,
+                           experts=8, expert_ffn=2048, top_k=2, moe_every=2)
+    assert (moe.moe_layers, moe.dense_layers) == (2, 2)
+    # GQA: K and V of 4 heads of 64
+    assert moe.attention_params == 1024 * 1024 + 2 * 1024 * 256 + 1024 * 1024
+    expert = 2 * 1024 * 2048
+    assert moe.params - moe.active_params == 2 * (8 - 2) * expert  # the experts a token skips
+    per_token = moe.forward_flops_per_token(seq_len=1, causal=False)
+    assert per_token == 2 * (moe.active_params - 32000 * 1024) + 4 * (2 * 2 * 1 * 1024)  # 4 layers of attention
+
+
+def test_mixed_precision_adam_is_16_bytes_per_parameter_and_zero_shards_it():
+    assert sum(optimizer_bytes_per_param().values()) == 16
+    assert sum(optimizer_bytes_per_param(1, dp=8).values()) == pytest.approx(2 + 2 + 12 / 8)
+    assert sum(optimizer_bytes_per_param(2, dp=8).values()) == pytest.approx(2 + 2 / 8 + 12 / 8)
+    with pytest.raises(ValueError, match="zero_stage"):
+        optimizer_bytes_per_param(3)
+
+
+@pytest.mark.parametrize("p, m, v, expected", [(4, 8, 1, 3 / 11), (1, 8, 1, 0.0), (8, 8, 1, 7 / 15),
+                                               (4, 8, 2, 3 / 19)])
+def test_the_1f1b_bubble(p, m, v, expected):
+    assert bubble_fraction(p, m, v) == pytest.approx(expected)
+
+
+def test_activation_bytes_per_layer_as_korthikanti_et_al_give_them():
+    s, b, h, a = 2048, 1, 12288, 96
+    full = activation_bytes_per_layer(s, b, h, a, flash=False)
+    assert full == pytest.approx(s * b * h * (34 + 5 * a * s / h))  # eq. 2
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, flash=False) == pytest.approx(
+        s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))  # eq. 3: tensor parallel only
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True, flash=False) == pytest.approx(
+        full / 8)  # eq. 5
+    assert activation_bytes_per_layer(s, b, h, a, recompute=True) == 2 * s * b * h
+    assert activation_bytes_per_layer(s, b, h, a) == pytest.approx(34 * s * b * h)  # flash: no scores kept
+
+
+def test_mfu():
+    # 6 x 175e9 x 3.1e6 FLOPs in 10 s on 1,024 GPUs of 312 TFLOP/s
+    assert mfu(6 * 175e9 * 3.1e6, 10.0, 1024, 312e12) == pytest.approx(6 * 175e9 * 3.1e6 / (10 * 1024 * 312e12))
+    with pytest.raises(ValueError, match="step_time_s"):
+        mfu(1.0, 0.0, 1, 1.0)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="hidden = 100 is not a multiple of heads = 3"):
+        TransformerShape(layers=1, hidden=100, heads=3, kv_heads=3, dense_ffn=4, vocab=10)
+    with pytest.raises(ValueError, match="top_k"):
+        TransformerShape(layers=1, hidden=8, heads=2, kv_heads=2, dense_ffn=4, vocab=10, experts=4, top_k=5,
+                         expert_ffn=8)
