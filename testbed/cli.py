@@ -237,6 +237,9 @@ def format_summary(s: dict) -> str:
     lines = [
         f"run        {s['run_dir']}  ({s['backend']}, {s['steps']} steps, {s['measured_steps']} measured)",
         f"step time  {ms(s['step_time_s'])} (median)",
+        *([f"throughput {s['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU"
+           + (f", MFU {100 * s['mfu']:.1f}% of the profile's peak (the MoE stack's FLOPs)" if s.get("mfu") else "")]
+          if s.get("tokens_per_s_per_gpu") else []),
         f"sources    profile {s.get('profile', '?')} ({'calibrated on this machine' if s.get('profile_calibrated_here') else 'not calibrated on this machine'}), routing: {s.get('routing_source', '?')}",
         f"stages     {stages}",
         f"bytes      {stage_bytes or '0'}  (per step, all ranks)",

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from testbed.stages import STAGES
 from testbed.topology import LEVELS
+from testbed.whole_model import mfu, moe_stack_step_flops
 
 
 @dataclass
@@ -95,6 +96,22 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
         "loss_last": losses[-1] if losses else None,
     })
     return out
+
+
+def throughput(scenario, records: list[StepRecord], step_time_s: float | None, peak_flops: float | None) -> dict:
+    """Tokens per second per GPU and MFU of a run (``testbed.whole_model``): the model
+    FLOPs of a mean measured step of the MoE stack over its median step time x GPUs x
+    ``peak_flops`` (one GPU's, for the model's dtype; None: no MFU)."""
+    s, m = scenario, scenario.model
+    measured = [r for r in records if r.step >= s.run.warmup_steps] or records
+    if not measured or not step_time_s:
+        return {"tokens_per_s_per_gpu": None, "model_flops_per_step": None, "mfu": None}
+    kept = sum(r.routed_slots - r.dropped_slots for r in measured) / len(measured)
+    flops = moe_stack_step_flops(m.hidden_size, m.ffn_hidden_size, m.num_experts, m.num_layers,
+                                 s.world_size * s.workload.tokens_per_rank, kept)
+    return {"tokens_per_s_per_gpu": s.workload.tokens_per_rank / step_time_s,
+            "model_flops_per_step": flops,
+            "mfu": mfu(flops, step_time_s, s.world_size, peak_flops) if peak_flops else None}
 
 
 def frozen_fraction(frozen: dict[int, int] | None, local_experts: int) -> float | None:

@@ -7,10 +7,20 @@ from pathlib import Path
 from testbed.backend import RunResult, get_backend
 from testbed.errors import ScenarioError
 from testbed.guards import check_size
-from testbed.results import StepRecord, summarize
+from testbed.profile import load_profile
+from testbed.results import StepRecord, summarize, throughput
 from testbed.runs import RunWriter, check_resumable, latest_run, load_run, new_run_id
 from testbed.scenario import Scenario
 from testbed.sources import describe_sources
+
+
+def _peak_flops(scenario: Scenario) -> float | None:
+    """One GPU's matmul peak for the model's dtype from the scenario's profile (None when
+    the profile cannot be read: then there is no MFU)."""
+    try:
+        return load_profile(scenario.cluster.profile).compute.peak(scenario.model.dtype)
+    except Exception:  # noqa: BLE001 - a missing or partial profile only costs the MFU figure
+        return None
 
 
 def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = False,
@@ -76,6 +86,7 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
         return {"backend": backend, "run_dir": None, "writer": False}
     kept = writer.continue_from(result.extra["resumed_from"]) if resume is not None else []
     summary = summarize(kept + result.records, scenario.run.warmup_steps, **fields)
+    summary.update(throughput(scenario, kept + result.records, summary["step_time_s"], _peak_flops(scenario)))
     summary.update(result.extra)
     writer.finish(summary, result.trace_events, result.routing)
     return summary

@@ -182,3 +182,12 @@ def mfu(model_flops: float, step_time_s: float, gpus: int, peak_flops: float) ->
     if step_time_s <= 0 or gpus <= 0 or peak_flops <= 0:
         raise ValueError(f"step_time_s = {step_time_s}, gpus = {gpus}, peak_flops = {peak_flops}: must be > 0")
     return model_flops / (step_time_s * gpus * peak_flops)
+
+
+def moe_stack_step_flops(hidden: int, ffn: int, experts: int, layers: int, tokens: int, kept_slots: float) -> float:
+    """Model FLOPs of a training step of the MoE layer stack the testbed runs today (no
+    attention or dense layers): every kept (token, expert) slot through its expert's two
+    matrices (4 H F) and every token of every layer through the router (2 H E), forward
+    and backward (3 x the forward). ``tokens``: tokens per layer over all ranks;
+    ``kept_slots``: slots kept under capacity over all ranks and layers."""
+    return 3.0 * (kept_slots * 4.0 * hidden * ffn + tokens * layers * 2.0 * hidden * experts)

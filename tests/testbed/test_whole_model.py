@@ -83,3 +83,26 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="top_k"):
         TransformerShape(layers=1, hidden=8, heads=2, kv_heads=2, dense_ffn=4, vocab=10, experts=4, top_k=5,
                          expert_ffn=8)
+
+
+def test_a_runs_summary_gives_tokens_per_second_per_gpu_and_mfu(tmp_path):
+    """The quick start's summary: tokens per rank over the median step, and the MoE
+    stack's FLOPs (kept slots through 4 H F, every token through the router's 2 H E, x 3
+    for forward and backward) over step time x GPUs x the profile's peak."""
+    from testbed.profile import load_profile
+    from testbed.runner import run_scenario
+    from testbed.scenario_file import load_scenario
+    from pathlib import Path
+
+    s = load_scenario(Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml")
+    s = s.replace(run={"output_dir": str(tmp_path), "steps": 3, "warmup_steps": 1})
+    out = run_scenario(s, "sim")
+    m = s.model
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(s.workload.tokens_per_rank / out["step_time_s"])
+    kept = (1 - out["dropped_token_fraction"]) * s.world_size * s.workload.tokens_per_rank * m.top_k * m.num_layers
+    flops = 3 * (kept * 4 * m.hidden_size * m.ffn_hidden_size
+                 + s.world_size * s.workload.tokens_per_rank * m.num_layers * 2 * m.hidden_size * m.num_experts)
+    assert out["model_flops_per_step"] == pytest.approx(flops, rel=1e-9)
+    peak = load_profile(s.cluster.profile).compute.peak(m.dtype)
+    assert out["mfu"] == pytest.approx(flops / (out["step_time_s"] * s.world_size * peak), rel=1e-9)
+    assert 0 < out["mfu"] < 1
