@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import simpy
 
+import sim.link_loads
 import sim.schedule
 from sim.analytic_timer import AnalyticTimer
 from sim.collective_model import CollectiveModel
@@ -297,9 +298,9 @@ def test_the_sweep_in_chunks_of_links_gives_the_sweep_in_one(monkeypatch):
     loads = sim.schedule.LinkLoads(phases, timer)
     begin = np.array([0.0, 0.01, 0.02])
     length = np.maximum(loads.alone - loads.fixed, 0.0)
-    monkeypatch.setattr(sim.schedule, "SWEEP_CHUNK", 10**9)
+    monkeypatch.setattr(sim.link_loads, "SWEEP_CHUNK", 10**9)
     whole = loads.delays(begin, length)
-    monkeypatch.setattr(sim.schedule, "SWEEP_CHUNK", 1)
+    monkeypatch.setattr(sim.link_loads, "SWEEP_CHUNK", 1)
     chunked = loads.delays(begin, length)
     assert whole.max() > 0.01  # they contend
     assert chunked == pytest.approx(whole, rel=1e-9, abs=1e-15)
