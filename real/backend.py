@@ -34,6 +34,9 @@ def check_runnable(scenario: Scenario) -> None:
                             f"the real backend pipelines micro-batches of the flat all-to-all only "
                             f"(comm.token_strategy = alltoall, not {s.comm.token_strategy}); "
                             f"--backend sim models the others")
+    if s.transformer.enabled:
+        raise ScenarioError("transformer.enabled", True, "the real backend trains the MoE layer stack only; "
+                            "--backend sim models the whole transformer")
     if s.faults:
         raise ScenarioError("faults[0].kind", s.faults[0].kind,
                             "simulated only: fault events are injected by --backend sim; a real rank that dies "

@@ -187,6 +187,8 @@ def stage_calls(scenario: Scenario) -> dict[str, int]:
     calls["paging"] = 2 * layers + 1
     for s in ("expert_sync", "dense_sync", "optimizer", "heat"):
         calls[s] = 1
+    for s in ("dense", "dense_backward"):  # the whole transformer's: simulated only, no host cost
+        calls[s] = 0
     return calls
 
 

@@ -364,6 +364,7 @@ def stream_of(stage: str) -> str:
     """The stream a stage's region is drawn on in the trace (compute, comm or copy)."""
     if stage in ("paging",):
         return "copy"
-    if stage in ("experts", "experts_backward", "optimizer", "heat", "route", "route_backward"):
+    if stage in ("experts", "experts_backward", "optimizer", "heat", "route", "route_backward", "dense",
+                 "dense_backward"):
         return "compute"
     return "comm"

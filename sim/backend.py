@@ -37,6 +37,7 @@ from sim.compute import ComputeModel
 from sim.cores import CorePool
 from sim.fabric import build_fabric
 from sim.faults import Faults
+from sim.memory_breakdown import memory_breakdown
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
 from sim.probe import ModelledProbe
@@ -115,7 +116,8 @@ class ClusterSim:
 
     def memory_at_start(self) -> np.ndarray:
         """[W] bytes each GPU holds when a step begins: resident expert pages (all local
-        experts when paging is off) and communicator buffers (M10)."""
+        experts when paging is off), communicator buffers (M10) and, for the whole
+        transformer, the other weights and the optimizer state (``model_state_bytes``)."""
         lay, m = self.layout, self.s.model
         if self.controller.pool is not None:
             pages = self.page_bytes_now()
@@ -124,7 +126,21 @@ class ClusterSim:
         groups = self.fixed_groups.copy()
         for members in self.controller.cache.groups():
             groups[list(members)] += 1
-        return pages + groups * self.profile.collectives.communicator_MiB * 2**20
+        return pages + groups * self.profile.collectives.communicator_MiB * 2**20 + self.model_state_bytes()
+
+    def model_state_bytes(self) -> float:
+        """Bytes every GPU holds for the whole transformer's weights besides its experts
+        (attention, dense FFNs, routers, embeddings) and, under Adam, the optimizer state
+        of everything it holds (``transformer.optimizer_state_bytes`` per parameter); 0
+        for the MoE stack alone (plain SGD keeps no state)."""
+        t, dense = self.s.transformer, self.builder.dense
+        if not t.enabled:
+            return 0.0
+        state = 0.0
+        if t.optimizer == "adam":
+            local = len(self.controller.local_instances(0)) * self.s.model.expert_params
+            state = (dense.dense_params + local) * t.optimizer_state_bytes
+        return dense.param_bytes + state
 
     def page_bytes_now(self) -> np.ndarray | None:
         """[W] bytes of the GPU slots holding pages now (None without paging)."""
@@ -200,6 +216,9 @@ class SimBackend:
                     upcoming = ahead.submit(routed_at, step + 1)
                 routing.append(routed)
                 d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
+                fullest = int(np.argmax(fig.peak_by_rank))
+                breakdown = memory_breakdown(sim, d, base, fullest)  # the last step's is reported
+                peak_at = fig.peak_at
                 ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
                 record = _record(step, sim, d, fig, faults, ledger)
                 record.discovery_s = discovery_seconds(tl)
@@ -226,6 +245,9 @@ class SimBackend:
             "host_bytes_by_stage": {st: float(np.mean([r.extra["host_bytes_by_stage"][st] for r in measured]))
                                     for st in measured[0].extra["host_bytes_by_stage"]},
             "device_memory_bytes": profile.compute.device_memory_GB * 1e9,
+            # the last step's, on its fullest GPU (sim.memory_breakdown)
+            "memory_breakdown_bytes": breakdown if s.run.steps else {},
+            "peak_memory_at": peak_at if s.run.steps else None,
             "fits_in_device_memory": max(r.peak_memory_bytes for r in records) <= profile.compute.device_memory_GB * 1e9,
             "faults": [f.to_dict() for f in sim.faults.outcomes],
             "fault_time_lost_s": sum(f.time_lost_s for f in sim.faults.outcomes),

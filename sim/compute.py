@@ -26,7 +26,6 @@ from testbed.profile import MachineProfile
 from testbed.scenario import DTYPE_BYTES
 
 from sim.software_latency import fit_at
-
 GEMMS_FORWARD = 2  # x @ w1, h @ w2
 GEMMS_BACKWARD = 4  # input and weight gradient of each matrix
 
@@ -88,6 +87,22 @@ class ComputeModel:
         compute = flops / (self.peak * self.profile.compute.efficiency_at("grouped", tokens))
         memory = tokens * hidden * self.dtype_bytes / self.memory_bw
         return (max(compute, memory, self.launch) + self.profile.overheads.router_us * 1e-6) * self.scale
+
+    def gemm_time(self, flops, rows: int, kernel: str = "grouped") -> float:
+        """A dense GEMM of ``flops`` over ``rows`` rows at the efficiency the profile gives
+        ``rows`` tokens (``attention``: a sequence of ``rows``), or one launch."""
+        if flops <= 0:
+            return 0.0
+        return max(flops / (self.peak * self.profile.compute.efficiency_at(kernel, rows)), self.launch) * self.scale
+
+    def adam_time(self, params: float, param_bytes: int, state_bytes: int) -> float:
+        """Mixed-precision Adam on ``params`` parameters: read the gradient and the fp32
+        state (master weights, moments), write the state and the ``param_bytes`` weights,
+        at memory bandwidth."""
+        if params <= 0:
+            return 0.0
+        moved = params * (2 * param_bytes + 2 * state_bytes)
+        return max(moved / self.memory_bw, self.launch) * self.scale
 
     def optimizer_time(self, param_bytes: float) -> float:
         """SGD step on ``param_bytes`` of weights: read weights and gradients, write

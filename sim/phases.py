@@ -35,6 +35,8 @@ from itertools import groupby
 
 import numpy as np
 
+from sim.compute import ComputeModel
+from sim.dense_layers import DenseLayers
 from testbed.collectives import CollectiveOp
 from testbed.controller import LayerBackward, LayerForward, StepEnd, SyncPlan
 from testbed.micro_batches import chunk_rows
@@ -43,8 +45,7 @@ from testbed.pager_pool import MovesByRank
 from testbed.scenario import Scenario
 from testbed.stages import STAGES
 from testbed.topology import Layout
-
-from sim.compute import ComputeModel
+from testbed.whole_model import block_grad_bytes
 
 
 @dataclass(eq=False)
@@ -180,6 +181,7 @@ class PhaseBuilder:
         self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
         self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
+        self.dense = DenseLayers(scenario, compute)  # the whole transformer's non-MoE work (issue 13)
 
     # ---- sizes ------------------------------------------------------------------------------
     def expert_rows(self, fwd: LayerForward) -> np.ndarray:
@@ -211,7 +213,11 @@ class PhaseBuilder:
         self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
         tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
         prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
+        dense = self.dense
         for f in d.forward:
+            if dense.enabled:  # the layer's attention and the dense layers before it
+                self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.block_forward_s),
+                           mem_delta=np.full(w, dense.block_activation_bytes))
             self.host("route", f.layer, tokens)
             self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
             self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
@@ -237,6 +243,11 @@ class PhaseBuilder:
                     prefetched = phase if is_prefetch else prefetched
             self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer]),
                           ("combine", f.combine_ops), n, copy, pipeline=pipe)
+        if dense.enabled:  # the output head and the loss, forward then backward
+            self.chain("dense", m.num_layers - 1, "compute", "compute", seconds=np.full(w, dense.head_forward_s),
+                       mem_delta=np.full(w, dense.head_activation_bytes))
+            self.chain("dense_backward", m.num_layers - 1, "compute", "compute",
+                       seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, -dense.head_activation_bytes))
         sync_phases: list[int] = []
         overlap_sync = s.overlap.sync_with_backward
         creating = self.creation_seconds(d.sync)
@@ -258,6 +269,9 @@ class PhaseBuilder:
             self.host("route_backward", layer, tokens)
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
                        mem_delta=self.router_grad_bytes - act[layer])
+            if dense.enabled:  # the block's backward: its activations go, its gradients come
+                self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.block_backward_s),
+                           mem_delta=np.full(w, block_grad_bytes(self.s, layer) - dense.block_activation_bytes))
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
                 for stage, ops in (("expert_sync", expert_ops), ("dense_sync", d.sync.dense_sync_ops)):
                     for batch in batches([op for op in ops if op.layer == layer]):
@@ -281,10 +295,12 @@ class PhaseBuilder:
             n_updated[r] = len(inst)
         updated = n_updated * m.expert_bytes
         self.host("optimizer", -1, updated)
-        opt = np.array([self.compute.optimizer_time(b + self.router_grad_bytes * m.num_layers) for b in updated])
+        opt = self.optimizer_seconds(n_updated)
         opt = opt + self.compute.page_update_time(n_updated * self.pages_per_expert)  # page by page
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
+        if dense.enabled:
+            all_grads = all_grads + sum(block_grad_bytes(self.s, layer) for layer in range(m.num_layers))
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
         self.host("heat", -1, np.zeros(w))
         if d.end.heat is not None:
@@ -297,6 +313,18 @@ class PhaseBuilder:
             seconds = self.compute.defrag_time(compacted * self.page_bytes)
             self.add("paging", -1, "wait", "copy", (self.main,), seconds=seconds)
         return self.phases
+
+    def optimizer_seconds(self, n_updated: np.ndarray) -> np.ndarray:
+        """[W] seconds of the optimizer step: the updated experts' weights and the routers
+        by SGD, or with the whole transformer's Adam (``transformer.optimizer``) every
+        parameter the rank holds (its experts, the dense ones) by mixed-precision Adam."""
+        m, t = self.s.model, self.s.transformer
+        router_bytes = self.router_grad_bytes * m.num_layers
+        if not t.enabled or t.optimizer == "sgd":
+            dense = self.dense.param_bytes if t.enabled else 0.0
+            return np.array([self.compute.optimizer_time(b + router_bytes + dense) for b in n_updated * m.expert_bytes])
+        params = n_updated * m.expert_params + self.dense.dense_params
+        return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
 
     def heat_phase(self, layer: int, ops: list[CollectiveOp], probe_s: np.ndarray | None) -> None:
         """A heat update (M18-M20) in the chain: its all-reduces, then the scoring on the

@@ -41,6 +41,7 @@ class StepFigures:
     page_stall_s: float
     peak_memory_bytes: int
     peak_by_rank: np.ndarray  # [W] bytes each GPU held at its peak
+    peak_at: str  # where in the step the fullest GPU peaked: "stage, layer n"
     memory: np.ndarray  # [P, shown] bytes the first ``shown`` ranks hold during each phase
     fitted_share: float  # mean over ranks of the share of its step time from fitted constants
 
@@ -67,7 +68,10 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
             others = [d for d in ph.deps if d != ph.waits_for_pages]
             ready = np.max([tl.end[d] for d in others], axis=0) if others else np.full(world, tl.t0)
             stall += np.clip(tl.end[ph.waits_for_pages] - ready, 0, None)
-    peak, memory = memory_timeline(phases, base_memory, shown)
+    peak_phase = np.full(len(base_memory), -1)
+    peak, memory = memory_timeline(phases, base_memory, shown, peak_phase)
+    fullest = int(np.argmax(peak))
+    at = phases[peak_phase[fullest]] if peak_phase[fullest] >= 0 else None
     # into busy, which is not needed any more: a [P, W] array less to allocate and fault in
     fitted = np.minimum(tl.fitted, busy, out=busy).sum(axis=0) if tl.fitted is not None else np.zeros(world)
     share = np.divide(fitted, rank_time, out=np.zeros(world), where=rank_time > 0)
@@ -77,7 +81,9 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
         layer_time_s=[float(v) for v in by_layer.mean(axis=1)],
         exposed_s_mean=float(exposed.mean()), exposed_s_max=float(exposed.max()),
         page_stall_s=float(stall.mean()),
-        peak_memory_bytes=int(peak.max()), peak_by_rank=peak, memory=memory, fitted_share=float(share.mean()),
+        peak_memory_bytes=int(peak.max()), peak_by_rank=peak,
+        peak_at="step start" if at is None else f"{at.stage}, layer {at.layer}" if at.layer >= 0 else at.stage,
+        memory=memory, fitted_share=float(share.mean()),
     )
 
 
@@ -89,8 +95,11 @@ def _one_hot(index: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def memory_timeline(phases: list[Phase], base: np.ndarray, shown: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def memory_timeline(phases: list[Phase], base: np.ndarray, shown: int = 0,
+                    peak_phase: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([W] peak bytes, [P, shown] bytes the first ``shown`` GPUs hold during each phase).
+    ``peak_phase`` ([W] ints, or None) is filled with the phase each GPU peaks in (-1:
+    before the first).
 
     Allocation in issue order: during a phase a GPU holds what it held before plus the
     phase's transient buffers; after it, plus its ``mem_delta``. One pass over the phases
@@ -102,6 +111,8 @@ def memory_timeline(phases: list[Phase], base: np.ndarray, shown: int = 0) -> tu
     held = np.zeros(world)  # cumulative mem_delta so far (cumsum's running row)
     after = base + held
     peak = np.array(after, dtype=float) if not phases else None
+    if peak_phase is not None:
+        peak_phase[:] = -1
     out = np.empty((len(phases), min(shown, world)))
     row = np.zeros(world)
     for p, ph in enumerate(phases):
@@ -118,6 +129,10 @@ def memory_timeline(phases: list[Phase], base: np.ndarray, shown: int = 0) -> tu
             mem = np.maximum(after + ph.mem_transient, after)
         else:
             mem = after
+        if peak_phase is not None and peak is not None:
+            peak_phase[mem > peak] = p
+        elif peak_phase is not None:
+            peak_phase[:] = p
         peak = mem if peak is None else np.maximum(peak, mem)
         out[p] = mem[:shown]
     return peak, out

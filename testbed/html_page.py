@@ -40,7 +40,7 @@ table.dense td:first-child { min-width: 15em; }
 STAGE_COLORS = {
     "route": "#1f77b4", "dispatch": "#ff7f0e", "experts": "#2ca02c", "combine": "#d62728",
     "combine_backward": "#ff9896", "experts_backward": "#98df8a", "dispatch_backward": "#ffbb78",
-    "route_backward": "#aec7e8",
+    "route_backward": "#aec7e8", "dense": "#e377c2", "dense_backward": "#f7b6d2",
     "expert_sync": "#9467bd", "dense_sync": "#8c564b", "optimizer": "#7f7f7f", "paging": "#17becf",
     "heat": "#bcbd22",
 }

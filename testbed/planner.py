@@ -64,6 +64,7 @@ import numpy as np
 from testbed.collectives import CollectiveOp
 from testbed.scenario import Scenario
 from testbed.topology import Layout
+from testbed.whole_model import block_grad_bytes
 
 COUNT_BYTES = 4  # routed counts travel as int32
 HEAT_BYTES = 8  # compute heat per expert instance travels as float64
@@ -213,6 +214,11 @@ class Planner:
         m = self.s.model
         return (m.hidden_size * m.num_experts + m.num_experts) * ROUTER_PARAM_BYTES
 
+    def layer_grad_bytes(self, layer: int) -> int:
+        """Bytes of ``layer``'s gradients that all ranks sum: its router's, and with the
+        whole transformer its block's (``testbed.whole_model.block_grad_bytes``)."""
+        return self.router_grad_bytes + block_grad_bytes(self.s, layer)
+
     def grad_buckets(self) -> list[list[int]]:
         """Layers of each router-gradient bucket, in the order their gradients are ready
         (last layer first), as torch DDP fills its buckets: a bucket takes layers until
@@ -222,7 +228,8 @@ class Planner:
         cap = self.s.comm.grad_bucket_bytes
         buckets: list[list[int]] = []
         for layer in reversed(range(self.s.model.num_layers)):
-            if buckets and (cap == 0 or (len(buckets[-1]) + 1) * self.router_grad_bytes <= cap):
+            fill = sum(self.layer_grad_bytes(b) for b in buckets[-1]) if buckets else 0
+            if buckets and (cap == 0 or fill + self.layer_grad_bytes(layer) <= cap):
                 buckets[-1].append(layer)
             else:
                 buckets.append([layer])
@@ -234,8 +241,10 @@ class Planner:
         Expert weights never go through it (M8's pitfall)."""
         if len(self.world) < 2:
             return []
-        return [CollectiveOp("all_reduce", self.world, "dense_sync", min(b), size=len(b) * self.router_grad_bytes,
-                             label=f"router gradients, layers {min(b)}-{max(b)}") for b in self.grad_buckets()]
+        what = "dense gradients" if self.s.transformer.enabled else "router gradients"
+        return [CollectiveOp("all_reduce", self.world, "dense_sync", min(b),
+                             size=sum(self.layer_grad_bytes(layer) for layer in b),
+                             label=f"{what}, layers {min(b)}-{max(b)}") for b in self.grad_buckets()]
 
     @staticmethod
     def bucket_layers(op: CollectiveOp) -> range:

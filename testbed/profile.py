@@ -141,6 +141,10 @@ class Efficiency:
 
     grouped: tuple[tuple[float, float], ...] = _curve("grouped GEMM: (tokens per expert, fraction of peak)", efficiency)
     loop: tuple[tuple[float, float], ...] = _curve("one GEMM per expert: (tokens per expert, fraction of peak)", efficiency)
+    # the whole transformer (issue 13): flash attention's core (scores and weighted values)
+    attention: tuple[tuple[float, float], ...] = field(default=((512.0, 0.35), (8192.0, 0.55)), metadata={
+        "doc": "flash attention's core: (sequence length, fraction of peak); an assumption (0.35 at 512 tokens, "
+               "0.55 at 8,192) unless measured", "kind": "curve", "check": efficiency, "optional": True})
 
 
 @dataclass(frozen=True)
@@ -165,9 +169,10 @@ class ComputeFigures:
         return getattr(self.peak_tflops, dtype) * 1e12
 
     def efficiency_at(self, kernel: str, tokens):
-        """Fraction of peak of ``kernel`` (grouped, loop) at ``tokens`` per expert."""
-        if kernel not in ("grouped", "loop"):
-            raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+        """Fraction of peak of ``kernel`` (grouped, loop) at ``tokens`` per expert, or of
+        ``attention`` at a sequence of ``tokens``."""
+        if kernel not in ("grouped", "loop", "attention"):
+            raise ValueError(f"unknown kernel {kernel!r} (grouped, loop or attention)")
         return _log_interp(tokens, getattr(self.efficiency, kernel))
 
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from testbed.stages import STAGES
 from testbed.topology import LEVELS
-from testbed.whole_model import mfu, moe_stack_step_flops
+from testbed.whole_model import mfu, moe_stack_step_flops, shape_of
 
 
 @dataclass
@@ -100,15 +100,19 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
 
 def throughput(scenario, records: list[StepRecord], step_time_s: float | None, peak_flops: float | None) -> dict:
     """Tokens per second per GPU and MFU of a run (``testbed.whole_model``): the model
-    FLOPs of a mean measured step of the MoE stack over its median step time x GPUs x
+    FLOPs of a step - the whole transformer's (``transformer.enabled``), else a mean
+    measured step of the MoE stack's kept slots - over its median step time x GPUs x
     ``peak_flops`` (one GPU's, for the model's dtype; None: no MFU)."""
     s, m = scenario, scenario.model
     measured = [r for r in records if r.step >= s.run.warmup_steps] or records
     if not measured or not step_time_s:
         return {"tokens_per_s_per_gpu": None, "model_flops_per_step": None, "mfu": None}
-    kept = sum(r.routed_slots - r.dropped_slots for r in measured) / len(measured)
-    flops = moe_stack_step_flops(m.hidden_size, m.ffn_hidden_size, m.num_experts, m.num_layers,
-                                 s.world_size * s.workload.tokens_per_rank, kept)
+    tokens = s.world_size * s.workload.tokens_per_rank
+    if s.transformer.enabled:  # the whole model's FLOPs, every token through its top-k experts (no recompute)
+        flops = shape_of(s).step_flops(tokens, s.transformer.seq_len)
+    else:
+        kept = sum(r.routed_slots - r.dropped_slots for r in measured) / len(measured)
+        flops = moe_stack_step_flops(m.hidden_size, m.ffn_hidden_size, m.num_experts, m.num_layers, tokens, kept)
     return {"tokens_per_s_per_gpu": s.workload.tokens_per_rank / step_time_s,
             "model_flops_per_step": flops,
             "mfu": mfu(flops, step_time_s, s.world_size, peak_flops) if peak_flops else None}

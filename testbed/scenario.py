@@ -71,6 +71,29 @@ class ModelConfig:
 
 
 @dataclass
+class TransformerConfig:
+    """The whole transformer around the MoE layers (simulator; issue 13): attention in
+    every layer, ``moe_every - 1`` dense-FFN layers before each MoE layer, the embedding
+    and output head, and the optimizer's state. Off: the MoE layer stack alone, plain SGD."""
+
+    enabled: bool = doc("model the whole transformer (simulator only: the real backend trains the MoE stack)", False)
+    num_heads: int = doc("attention query heads (model.hidden_size must be a multiple)", 8, check=positive)
+    num_kv_heads: int = doc("attention key/value heads, grouped-query attention (a divisor of num_heads); 0 = num_heads", 0, check=non_negative)
+    seq_len: int = doc("tokens per sequence, which attention spans (workload.tokens_per_rank must be a multiple)", 256, check=positive)
+    dense_ffn_hidden_size: int = doc("inner dimension of the dense layers' FFN; 0 = 4 x model.hidden_size", 0, check=non_negative)
+    moe_every: int = doc("one layer in this many is MoE (1: every layer, 2: every other); model.num_layers counts the MoE ones", 1, check=positive)
+    vocab_size: int = doc("vocabulary: the input embedding and the output head (V x H each)", 32000, check=positive)
+    tied_embeddings: bool = doc("the output head is the input embedding", False)
+    recompute: str = doc("activation recompute: none, or full (each layer keeps its input and runs its forward again in the backward)", "none", choices=("none", "full"))
+    optimizer: str = doc("adam: mixed precision (weights and gradients in model.dtype, fp32 master weights and moments), or sgd (the MoE stack's)", "adam", choices=("adam", "sgd"))
+    optimizer_state_bytes: int = doc("adam: bytes of optimizer state per parameter (fp32 master, m, v: 12)", 12, check=positive)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+
+@dataclass
 class ClusterConfig:
     """The machines (M21): GPUs per node on NVLink, nodes per leaf, leaves under a spine."""
 
@@ -262,7 +285,7 @@ SECTIONS = {
     "model": ModelConfig, "cluster": ClusterConfig, "parallelism": ParallelismConfig,
     "router": RouterConfig, "pager": PagerConfig, "heat": HeatConfig, "comm": CommConfig,
     "overlap": OverlapConfig, "workload": WorkloadConfig, "run": RunConfig,
-    "checkpoint": CheckpointConfig, "sim": SimConfig, "real": RealConfig,
+    "checkpoint": CheckpointConfig, "sim": SimConfig, "real": RealConfig, "transformer": TransformerConfig,
 }
 
 
@@ -283,6 +306,7 @@ class Scenario:
     real: RealConfig = field(default_factory=RealConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    transformer: TransformerConfig = field(default_factory=TransformerConfig)
     faults: list[FaultConfig] = field(default_factory=list)
     notes: str = ""
 
@@ -369,6 +393,15 @@ class Scenario:
                                 "set real.device = cpu or auto")
         for i, f in enumerate(self.faults):
             _check_fault(f"faults[{i}]", f, self.world_size)
+        t = self.transformer
+        if t.enabled:
+            if m.hidden_size % t.num_heads:
+                raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")
+            if t.num_heads % t.kv_heads:
+                raise ScenarioError("transformer.num_kv_heads", t.num_kv_heads, f"does not divide transformer.num_heads = {t.num_heads}")
+            if self.workload.tokens_per_rank % t.seq_len:
+                raise ScenarioError("transformer.seq_len", t.seq_len,
+                                    f"does not divide workload.tokens_per_rank = {self.workload.tokens_per_rank}")
 
 
 def _check_fault(path: str, f: "FaultConfig", world: int) -> None:

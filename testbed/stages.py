@@ -1,13 +1,16 @@
 """The one vocabulary of a training step, shared by the simulator, the real backend,
 metrics, traces and reports (DESIGN: "One vocabulary for both backends").
 
-Per MoE layer forward: route -> dispatch -> experts -> combine; backward mirrors it;
-then the once-per-step stages. ``paging`` holds every page move and replica refresh,
-wherever in the step it happens; ``heat`` is the heat-map update (M18).
+Per MoE layer forward: dense -> route -> dispatch -> experts -> combine; backward
+mirrors it; then the once-per-step stages. ``dense`` is the layer's non-MoE compute
+when the whole transformer is modelled (``transformer.enabled``: attention, the dense
+layers before it, the output head after the last layer), else empty. ``paging`` holds
+every page move and replica refresh, wherever in the step it happens; ``heat`` is the
+heat-map update (M18).
 """
 
-FORWARD = ("route", "dispatch", "experts", "combine")
-BACKWARD = ("combine_backward", "experts_backward", "dispatch_backward", "route_backward")
+FORWARD = ("dense", "route", "dispatch", "experts", "combine")
+BACKWARD = ("combine_backward", "experts_backward", "dispatch_backward", "route_backward", "dense_backward")
 PER_STEP = ("expert_sync", "dense_sync", "optimizer", "paging", "heat")
 STAGES = FORWARD + BACKWARD + PER_STEP
 

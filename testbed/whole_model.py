@@ -191,3 +191,31 @@ def moe_stack_step_flops(hidden: int, ffn: int, experts: int, layers: int, token
     and backward (3 x the forward). ``tokens``: tokens per layer over all ranks;
     ``kept_slots``: slots kept under capacity over all ranks and layers."""
     return 3.0 * (kept_slots * 4.0 * hidden * ffn + tokens * layers * 2.0 * hidden * experts)
+
+
+def shape_of(scenario) -> TransformerShape:
+    """The transformer a scenario describes (``[transformer]``): ``model.num_layers`` MoE
+    layers, each with ``moe_every - 1`` dense layers before it; attention in all."""
+    m, t = scenario.model, scenario.transformer
+    return TransformerShape(layers=m.num_layers * t.moe_every, hidden=m.hidden_size, heads=t.num_heads,
+                            kv_heads=t.kv_heads, dense_ffn=t.dense_ffn_hidden_size or 4 * m.hidden_size,
+                            vocab=t.vocab_size, experts=m.num_experts, expert_ffn=m.ffn_hidden_size, top_k=m.top_k,
+                            moe_every=t.moe_every, tied_embeddings=t.tied_embeddings)
+
+
+def block_grad_bytes(scenario, layer: int) -> int:
+    """Bytes of the gradients of MoE layer ``layer``'s block besides its router, with the
+    whole transformer (0 without): its attention and dense FFNs, the output head's with
+    the last layer (ready first in the backward) and the input embedding's with layer 0
+    (ready last; a tied embedding is both, complete there)."""
+    t, m = scenario.transformer, scenario.model
+    if not t.enabled:
+        return 0
+    shape = shape_of(scenario)
+    out = (t.moe_every * shape.attention_params + (t.moe_every - 1) * shape.dense_ffn_params) * m.dtype_bytes
+    embedding = t.vocab_size * m.hidden_size * m.dtype_bytes
+    if layer == m.num_layers - 1 and not t.tied_embeddings:
+        out += embedding
+    if layer == 0:
+        out += embedding
+    return out

@@ -1,0 +1,59 @@
+"""The non-MoE work of a whole transformer (``transformer.enabled``, issue 13): what each
+MoE layer's block adds before its route, and the embedding and output head.
+
+A block is the MoE layer's own attention and the ``moe_every - 1`` dense layers before
+it (attention and a dense FFN each). Per rank, on its ``workload.tokens_per_rank``
+tokens (sequences of ``transformer.seq_len``):
+
+- GEMMs (Q, K, V, O; the dense FFN's two matrices; the output head) at the efficiency
+  the profile gives a GEMM of that many rows (``compute.efficiency.grouped``, one group);
+- flash attention's core, 2 x 2 x s x H FLOPs per token halved by the causal mask, at
+  the profile's ``compute.efficiency.attention`` for a sequence of s;
+- the backward twice the forward, and with ``transformer.recompute = full`` the forward
+  once more;
+- activations kept for the backward per layer as ``testbed.whole_model`` gives them
+  (Korthikanti et al.; flash attention keeps no scores), scaled from 16-bit to the
+  model's dtype; with full recompute only each layer's input.
+
+No tensor or pipeline parallelism yet: every rank holds every dense parameter, and their
+gradients are all-reduced over all ranks (``Planner.dense_sync_ops``).
+"""
+
+from __future__ import annotations
+
+from sim.compute import ComputeModel
+from testbed.scenario import Scenario
+from testbed.whole_model import activation_bytes_per_layer, shape_of
+
+
+class DenseLayers:
+    """Seconds and bytes of the dense work of one rank, per MoE layer's block."""
+
+    def __init__(self, scenario: Scenario, compute: ComputeModel):
+        s, t, m = scenario, scenario.transformer, scenario.model
+        self.enabled = t.enabled
+        if not self.enabled:
+            return
+        self.shape = shape_of(s)
+        tokens, h = s.workload.tokens_per_rank, m.hidden_size
+        attention_gemms = compute.gemm_time(2.0 * tokens * self.shape.attention_params, tokens)
+        core = compute.gemm_time(2.0 * 2.0 * tokens * t.seq_len * h * 0.5, t.seq_len, kernel="attention")
+        ffn = compute.gemm_time(2.0 * tokens * self.shape.dense_ffn_params, tokens)
+        #: forward seconds of one block: moe_every attentions, moe_every - 1 dense FFNs
+        self.block_forward_s = t.moe_every * (attention_gemms + core) + (t.moe_every - 1) * ffn
+        recompute = t.recompute == "full"
+        #: backward seconds of one block (with full recompute, its forward again)
+        self.block_backward_s = 2.0 * self.block_forward_s + (self.block_forward_s if recompute else 0.0)
+        per_layer = activation_bytes_per_layer(t.seq_len, tokens // t.seq_len, h, t.num_heads,
+                                               recompute=recompute, flash=True) * m.dtype_bytes / 2.0
+        #: activation bytes one block keeps from its forward to its backward
+        self.block_activation_bytes = t.moe_every * per_layer
+        #: the output head's forward (the embedding is a lookup) and backward seconds
+        self.head_forward_s = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens)
+        self.head_backward_s = 2.0 * self.head_forward_s
+        #: logits kept for the loss's backward
+        self.head_activation_bytes = tokens * t.vocab_size * m.dtype_bytes
+        dense_params = self.shape.params - self.shape.moe_layers * self.shape.experts * 2 * h * m.ffn_hidden_size
+        #: parameters every rank holds besides its experts: attention, dense FFNs, routers, embeddings
+        self.dense_params = dense_params
+        self.param_bytes = dense_params * m.dtype_bytes

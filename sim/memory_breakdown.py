@@ -1,0 +1,57 @@
+"""What one GPU's memory holds over a simulated step, by category (issue 13).
+
+Each category is the most it holds at once during the step, from the same figures the
+phases' memory annotations use, for the GPU whose simulated memory peaked highest:
+
+- ``expert_pages``: the expert weights resident at the step's start (the pager's slots,
+  or every local expert unpaged);
+- ``parameters``: the other weights (routers; with the whole transformer attention,
+  dense FFNs and embeddings);
+- ``gradients``: every gradient the backward makes (the experts that computed, routers,
+  the dense blocks'), held until the optimizer step;
+- ``optimizer_state``: Adam's fp32 master weights and moments of everything the GPU holds
+  (``transformer.optimizer = adam``), none for plain SGD;
+- ``activations``: what every layer's forward keeps for its backward (MoE layers: the
+  input and each expert row's input, pre-activation and output; with the whole
+  transformer also the dense blocks' and the logits);
+- ``comm_buffers``: the largest send and receive buffers of one collective;
+- ``communicators``: the communicators it holds (M10), ``collectives.communicator_MiB``
+  each.
+
+The categories are not all at their most at one moment (activations peak at the end of
+the forward, gradients at the end of the backward), so their sum bounds the timeline's
+peak (``peak_memory_bytes``, reached where ``peak_memory_at`` says) from above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.phases import StepDecisions, buffer_bytes
+from testbed.whole_model import block_grad_bytes
+
+
+def memory_breakdown(sim, d: StepDecisions, base: np.ndarray, rank: int) -> dict[str, float]:
+    """Bytes per category of GPU ``rank`` over the step ``d`` (module doc); ``base`` is
+    what the GPUs held when the step began (``ClusterSim.memory_at_start``)."""
+    s, m, t = sim.s, sim.s.model, sim.s.transformer
+    builder, dense = sim.builder, sim.builder.dense
+    rows = [builder.expert_rows(f) for f in d.forward]
+    router_bytes = builder.router_grad_bytes * m.num_layers
+    pages = sim.page_bytes_now()
+    expert_pages = float(pages[rank]) if pages is not None else len(sim.controller.local_instances(rank)) * m.expert_bytes
+    state = sim.model_state_bytes()
+    params = router_bytes + (dense.param_bytes if t.enabled else 0.0)
+    activations = sum(float(builder.activation_bytes(r)[rank]) for r in rows)
+    gradients = sum(int((r[rank] > 0).sum()) for r in rows) * m.expert_bytes + router_bytes
+    if t.enabled:
+        activations += m.num_layers * dense.block_activation_bytes + dense.head_activation_bytes
+        gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers))
+    ops = ([op for f in d.forward for op in f.route_ops + f.dispatch_ops + f.combine_ops]
+           + [op for b in d.backward.values() for op in b.combine_backward_ops + b.dispatch_backward_ops]
+           + d.sync.expert_sync_ops + d.sync.dense_sync_ops)
+    buffers = max((float(buffer_bytes([op], sim.layout.world)[rank]) for op in ops), default=0.0)
+    communicators = float(base[rank]) - (pages[rank] if pages is not None else expert_pages) - state
+    return {"expert_pages": expert_pages, "parameters": params, "gradients": float(gradients),
+            "optimizer_state": state - (dense.param_bytes if t.enabled else 0.0), "activations": activations,
+            "comm_buffers": buffers, "communicators": max(communicators, 0.0)}

@@ -1,0 +1,101 @@
+"""The whole transformer on the simulator (``transformer.enabled``, issue 13): every MoE
+layer's block adds its attention and dense layers (stage ``dense``, mirrored in
+``dense_backward``), the output head closes the forward, the dense gradients are summed
+over all ranks in ``dense_sync``, Adam updates everything and keeps its state, and the
+memory breakdown shows where the bytes are. The MoE stack alone is unchanged."""
+
+import pytest
+
+from real.backend import RealBackend
+from sim.backend import SimBackend
+from sim.compute import ComputeModel
+from testbed.errors import ScenarioError
+from testbed.profile import load_profile
+from testbed.results import summarize
+from testbed.runner import run_scenario
+from testbed.scenario import Scenario
+from testbed.whole_model import activation_bytes_per_layer, shape_of
+
+H, E, F, T, S, V = 64, 8, 128, 256, 128, 1000
+
+
+def scenario(**transformer):
+    return Scenario.from_dict({
+        "model": {"hidden_size": H, "ffn_hidden_size": F, "num_experts": E, "num_layers": 2, "dtype": "bf16"},
+        "workload": {"tokens_per_rank": T},
+        "pager": {"page_size_bytes": "16KiB"},
+        "transformer": {"enabled": True, "num_heads": 4, "num_kv_heads": 2, "seq_len": S, "vocab_size": V,
+                        "moe_every": 2, **transformer},
+        "run": {"steps": 2, "warmup_steps": 1},
+    })
+
+
+def run(s):
+    result = SimBackend().run(s)
+    return result, summarize(result.records, s.run.warmup_steps)
+
+
+def test_the_dense_stages_take_the_roofline_time_of_attention_dense_ffns_and_the_head():
+    s = scenario()
+    _, out = run(s)
+    c = ComputeModel(load_profile(s.cluster.profile), "bf16", s.world_size)
+    eff = lambda rows, kernel="grouped": c.profile.compute.efficiency_at(kernel, rows)  # noqa: E731
+    peak = c.peak * c.scale ** -1
+    attention = 2 * T * (H * H + 2 * H * 32 + H * H) / (peak * eff(T))  # Q, K, V (2 KV heads of 16), O
+    core = 2 * 2 * T * S * H * 0.5 / (peak * eff(S, "attention"))
+    ffn = 2 * T * 2 * H * 4 * H / (peak * eff(T))
+    block = 2 * (attention + core) + ffn  # moe_every = 2: two attentions, one dense FFN
+    head = 2 * T * H * V / (peak * eff(T))
+    assert out["stage_time_s"]["dense"] == pytest.approx(2 * block + head, rel=1e-9)
+    assert out["stage_time_s"]["dense_backward"] == pytest.approx(2 * (2 * block + head), rel=1e-9)
+    _, again = run(scenario(recompute="full"))  # the blocks' forward once more in the backward
+    assert again["stage_time_s"]["dense_backward"] == pytest.approx(3 * 2 * block + 2 * head, rel=1e-9)
+
+
+def test_the_dense_gradients_are_summed_over_all_ranks():
+    s = scenario()
+    _, out = run(s)
+    shape = shape_of(s)
+    router = (H * E + E) * 4  # fp32, per layer
+    dense = (2 * 2 * shape.attention_params + 2 * shape.dense_ffn_params + 2 * V * H) * 2  # bf16
+    w = s.world_size
+    assert out["bytes_by_stage"]["dense_sync"] == 2 * (w - 1) * (2 * router + dense)
+    moe_only = summarize(SimBackend().run(s.replace(transformer={"enabled": False})).records, 1)
+    assert moe_only["bytes_by_stage"]["dense_sync"] == 2 * (w - 1) * 2 * router
+    assert moe_only["stage_time_s"]["dense"] == moe_only["stage_time_s"]["dense_backward"] == 0
+
+
+def test_adam_state_activations_and_where_memory_peaks():
+    s = scenario()
+    result, out = run(s)
+    shape = shape_of(s)
+    local = 2 * (E // s.parallelism.ep_size) * 2 * H * F  # 2 layers' local experts
+    dense_params = shape.params - 2 * E * 2 * H * F
+    b = result.extra["memory_breakdown_bytes"]
+    assert b["optimizer_state"] == (dense_params + local) * 12
+    assert b["parameters"] == dense_params * 2 + 2 * (H * E + E) * 4
+    per_layer = activation_bytes_per_layer(S, T // S, H, 4)  # 16-bit: bf16 as is
+    assert b["activations"] >= 2 * 2 * per_layer + T * V * 2  # the blocks' and the logits, besides the MoE layers'
+    assert out["peak_memory_bytes"] <= sum(b.values())
+    assert out["peak_memory_bytes"] >= b["optimizer_state"] + b["parameters"] + b["expert_pages"]
+    assert result.extra["peak_memory_at"] == "dense, layer 1"  # the logits, at the end of the forward
+    sgd = SimBackend().run(s.replace(transformer={"optimizer": "sgd"}))
+    assert sgd.extra["memory_breakdown_bytes"]["optimizer_state"] == 0
+
+
+def test_mfu_counts_the_whole_models_flops(tmp_path):
+    s = scenario().replace(run={"output_dir": str(tmp_path)})
+    out = run_scenario(s, "sim")
+    tokens = s.world_size * T
+    assert out["model_flops_per_step"] == pytest.approx(shape_of(s).step_flops(tokens, S))
+    peak = load_profile(s.cluster.profile).compute.peak("bf16")
+    assert out["mfu"] == pytest.approx(out["model_flops_per_step"] / (out["step_time_s"] * s.world_size * peak))
+
+
+def test_bad_whole_model_settings_are_named():
+    with pytest.raises(ScenarioError, match="transformer.seq_len"):
+        scenario(seq_len=100)
+    with pytest.raises(ScenarioError, match="transformer.num_kv_heads"):
+        scenario(num_kv_heads=3)
+    with pytest.raises(ScenarioError, match="transformer.enabled"):
+        RealBackend().check(scenario())
