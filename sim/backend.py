@@ -38,6 +38,7 @@ from sim.cores import CorePool
 from sim.fabric import build_fabric
 from sim.faults import Faults
 from sim.memory_breakdown import memory_breakdown
+from testbed.whole_model import zero_shards
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
 from sim.probe import ModelledProbe
@@ -131,15 +132,17 @@ class ClusterSim:
     def model_state_bytes(self) -> float:
         """Bytes every GPU holds for the whole transformer's weights besides its experts
         (attention, dense FFNs, routers, embeddings) and, under Adam, the optimizer state
-        of everything it holds (``transformer.optimizer_state_bytes`` per parameter); 0
-        for the MoE stack alone (plain SGD keeps no state)."""
+        of everything it holds (``transformer.optimizer_state_bytes`` per parameter, its
+        ZeRO shard: ``testbed.whole_model.zero_shards``); 0 for the MoE stack alone
+        (plain SGD keeps no state)."""
         t, dense = self.s.transformer, self.builder.dense
         if not t.enabled:
             return 0.0
         state = 0.0
         if t.optimizer == "adam":
+            dense_shard, expert_shard, _, _ = zero_shards(self.s)
             local = len(self.controller.local_instances(0)) * self.s.model.expert_params
-            state = (dense.dense_params + local) * t.optimizer_state_bytes
+            state = (dense.dense_params / dense_shard + local / expert_shard) * t.optimizer_state_bytes
         return dense.param_bytes + state
 
     def page_bytes_now(self) -> np.ndarray | None:

@@ -10,7 +10,8 @@ phases' memory annotations use, for the GPU whose simulated memory peaked highes
 - ``gradients``: every gradient the backward makes (the experts that computed, routers,
   the dense blocks'), held until the optimizer step;
 - ``optimizer_state``: Adam's fp32 master weights and moments of everything the GPU holds
-  (``transformer.optimizer = adam``), none for plain SGD;
+  (``transformer.optimizer = adam``), its ZeRO shard (``transformer.zero_stage``), none
+  for plain SGD;
 - ``activations``: what every layer's forward keeps for its backward (MoE layers: the
   input and each expert row's input, pre-activation and output; with the whole
   transformer also the dense blocks' and the logits);
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from sim.phases import StepDecisions, buffer_bytes
-from testbed.whole_model import block_grad_bytes
+from testbed.whole_model import block_grad_bytes, zero_shards
 
 
 def memory_breakdown(sim, d: StepDecisions, base: np.ndarray, rank: int) -> dict[str, float]:
@@ -42,11 +43,12 @@ def memory_breakdown(sim, d: StepDecisions, base: np.ndarray, rank: int) -> dict
     expert_pages = float(pages[rank]) if pages is not None else len(sim.controller.local_instances(rank)) * m.expert_bytes
     state = sim.model_state_bytes()
     params = router_bytes + (dense.param_bytes if t.enabled else 0.0)
+    _, _, dense_shard, expert_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
     activations = sum(float(builder.activation_bytes(r)[rank]) for r in rows)
-    gradients = sum(int((r[rank] > 0).sum()) for r in rows) * m.expert_bytes + router_bytes
+    gradients = sum(int((r[rank] > 0).sum()) for r in rows) * m.expert_bytes / expert_shard + router_bytes
     if t.enabled:
         activations += m.num_layers * dense.block_activation_bytes + dense.head_activation_bytes
-        gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers))
+        gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers)) / dense_shard
     ops = ([op for f in d.forward for op in f.route_ops + f.dispatch_ops + f.combine_ops]
            + [op for b in d.backward.values() for op in b.combine_backward_ops + b.dispatch_backward_ops]
            + d.sync.expert_sync_ops + d.sync.dense_sync_ops)

@@ -87,6 +87,7 @@ class TransformerConfig:
     recompute: str = doc("activation recompute: none, or full (each layer keeps its input and runs its forward again in the backward)", "none", choices=("none", "full"))
     optimizer: str = doc("adam: mixed precision (weights and gradients in model.dtype, fp32 master weights and moments), or sgd (the MoE stack's)", "adam", choices=("adam", "sgd"))
     optimizer_state_bytes: int = doc("adam: bytes of optimizer state per parameter (fp32 master, m, v: 12)", 12, check=positive)
+    zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); the gradient sum moves the same bytes (reduce-scatter + all-gather as one all-reduce)", 0, check=between(0, 2))
 
     @property
     def kv_heads(self) -> int:

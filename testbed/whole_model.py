@@ -219,3 +219,14 @@ def block_grad_bytes(scenario, layer: int) -> int:
     if layer == 0:
         out += embedding
     return out
+
+
+def zero_shards(scenario) -> tuple[int, int, int, int]:
+    """(dense state, expert state, dense gradient, expert gradient) shards of ZeRO
+    (``transformer.zero_stage``): the ranks each is divided over. A dense parameter lives
+    on every rank (no tensor or pipeline parallelism yet), an expert on its replicas;
+    stage 1 shards the optimizer state, stage 2 the gradients too."""
+    stage, world, replicas = scenario.transformer.zero_stage, scenario.world_size, scenario.replicas
+    state = (world, replicas) if stage >= 1 else (1, 1)
+    grads = (world, replicas) if stage >= 2 else (1, 1)
+    return state + grads

@@ -14,7 +14,7 @@ from testbed.profile import load_profile
 from testbed.results import summarize
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
-from testbed.whole_model import activation_bytes_per_layer, shape_of
+from testbed.whole_model import activation_bytes_per_layer, block_grad_bytes, shape_of
 
 H, E, F, T, S, V = 64, 8, 128, 256, 128, 1000
 
@@ -99,3 +99,26 @@ def test_bad_whole_model_settings_are_named():
         scenario(num_kv_heads=3)
     with pytest.raises(ScenarioError, match="transformer.enabled"):
         RealBackend().check(scenario())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_shards_the_optimizer_state_and_at_stage_2_the_gradients(stage):
+    """Dense parameters live on all 8 ranks, each expert on its 2 replicas (EP 4): ZeRO
+    divides their state by 8 and 2; stage 2 their gradients too. Adam updates the shard."""
+    plain, zero = (SimBackend().run(scenario(zero_stage=z)) for z in (0, stage))
+    a, b = plain.extra["memory_breakdown_bytes"], zero.extra["memory_breakdown_bytes"]
+    s = scenario()
+    shape = shape_of(s)
+    dense_params = shape.params - 2 * E * 2 * H * F
+    local = 2 * (E // s.parallelism.ep_size) * 2 * H * F
+    assert b["optimizer_state"] == pytest.approx((dense_params / 8 + local / 2) * 12)
+    router = 2 * (H * E + E) * 4
+    if stage == 2:
+        dense = sum(block_grad_bytes(s, layer) for layer in range(2))
+        experts = a["gradients"] - router - dense
+        assert experts > 0
+        assert b["gradients"] == pytest.approx(router + dense / 8 + experts / 2)
+    else:
+        assert b["gradients"] == a["gradients"]
+    opt = lambda r: summarize(r.records, 1)["stage_time_s"]["optimizer"]  # noqa: E731
+    assert opt(zero) < opt(plain)
