@@ -196,10 +196,24 @@ class PhaseBuilder:
         gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
         return gemm + self.compute.page_read_time((rows > 0).sum(axis=1) * self.pages_per_expert)
 
+    @property
+    def recompute(self) -> bool:
+        """Full activation recompute (whole transformer): every layer, MoE ones included,
+        keeps only its input and runs its forward again in the backward."""
+        return self.s.transformer.enabled and self.s.transformer.recompute == "full"
+
     def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
+        """[W] bytes an MoE layer's forward keeps for its backward: its input and, per
+        expert row, the expert's input, pre-activation and output (with full recompute,
+        the input only)."""
         m = self.s.model
-        per_row = 2 * m.hidden_size + m.ffn_hidden_size
+        per_row = 0 if self.recompute else 2 * m.hidden_size + m.ffn_hidden_size
         return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
+
+    def expert_backward_seconds(self, rows: np.ndarray) -> np.ndarray:
+        """[W] seconds of a layer's experts' backward (with full recompute, their forward first)."""
+        seconds = self.expert_seconds(rows, True)
+        return seconds + self.expert_seconds(rows, False) if self.recompute else seconds
 
     # ---- building ---------------------------------------------------------------------------
     def build(self, d: StepDecisions) -> list[Phase]:
@@ -265,7 +279,7 @@ class PhaseBuilder:
             self.host("paging", layer, moved[0] + moved[1])
             copy = self.copy_phase(layer, moved)
             self.exchange(layer, ("combine_backward", b.combine_backward_ops),
-                          ("experts_backward", self.expert_seconds(rows[layer], True), grads[layer]),
+                          ("experts_backward", self.expert_backward_seconds(rows[layer]), grads[layer]),
                           ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer])
             self.host("route_backward", layer, tokens)
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,

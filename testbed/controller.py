@@ -399,6 +399,8 @@ class Controller:
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
         tokens = kept.sum(axis=1).reshape(-1).astype(np.float64)
         compute = tokens if compute_heat is None else np.asarray(compute_heat, dtype=np.float64)
+        if not self.s.heat.enabled:  # no heat map at all (a baseline without M18-M20)
+            return StepEnd(None, self._defragment())
         self._heat_pending.append((compute, self._memory_heat(active), self._comm_heat_step))
         if not self.heat.is_due(self.step):
             return StepEnd(None, self._defragment())

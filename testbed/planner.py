@@ -261,7 +261,7 @@ class Planner:
         Not needed for kept slots with one replica: the route all_gather already gave
         every rank the world's counts."""
         paged = self.s.pager.enabled  # memory heat is counted by each GPU's pager: summed too
-        if len(self.world) < 2 or (not paged and self.s.heat.compute_source != "measured" and self.layout.replicas < 2):
+        if not self.s.heat.enabled or len(self.world) < 2 or (not paged and self.s.heat.compute_source != "measured" and self.layout.replicas < 2):
             return []
         m = self.s.model
         rows = 2 if paged else 1

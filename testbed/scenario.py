@@ -175,6 +175,7 @@ class PagerConfig:
 class HeatConfig:
     """The expert heat map and states (M18-M20)."""
 
+    enabled: bool = doc("keep the heat map (false: no heat update, no heat all-reduce, no cold migration, wake-up or hot prefetch - a baseline without M18-M20)", True)
     alpha: float = doc("weight of compute heat", 0.5, check=non_negative)
     beta: float = doc("weight of memory heat (page accesses)", 0.3, check=non_negative)
     gamma: float = doc("weight of communication heat (bytes in expert sync)", 0.2, check=non_negative)
