@@ -275,11 +275,11 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
     ledger = ledger if ledger is not None else ByteLedger(sim.layout)
     moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves] + [f.prefetch_moves for f in d.forward]
     for f in d.forward:
-        for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops:
+        for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops + [o for ops in f.dense_ops for o in ops]:
             ledger.add_op(op)
         moves.append(f.page_moves)
     for b in d.backward.values():
-        for op in b.combine_backward_ops + b.dispatch_backward_ops:
+        for op in b.combine_backward_ops + b.dispatch_backward_ops + [o for ops in b.dense_ops for o in ops]:
             ledger.add_op(op)
         moves.append(b.page_moves)
     for op in d.sync.expert_sync_ops + d.sync.dense_sync_ops + d.heat_ops:

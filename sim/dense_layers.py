@@ -15,8 +15,15 @@ tokens (sequences of ``transformer.seq_len``):
   (Korthikanti et al.; flash attention keeps no scores), scaled from 16-bit to the
   model's dtype; with full recompute only each layer's input.
 
-No tensor or pipeline parallelism yet: every rank holds every dense parameter, and their
-gradients are all-reduced over all ranks (``Planner.dense_sync_ops``).
+Tensor parallelism (``parallelism.tp_size`` t) with sequence parallelism, over t GPUs
+of a node: each holds 1/t of the heads, the dense FFNs' columns and the vocabulary, and
+its own tokens between blocks. So per GPU the FLOPs and the activations stay those of
+its own tokens (t x the tokens over 1/t of the weights; Korthikanti et al.'s eq. 5),
+the weights and their gradients shrink to 1/t, and each attention and dense FFN adds an
+all-gather of the group's tokens before it and a reduce-scatter after it (forward; the
+backward mirrors them: ``Planner.tp_ops``). The dense gradients are summed over the
+GPUs with the same tensor-parallel index (``Planner.dense_sync_ops``). No pipeline
+parallelism yet.
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ class DenseLayers:
         self.head_backward_s = 2.0 * self.head_forward_s
         #: logits kept for the loss's backward
         self.head_activation_bytes = tokens * t.vocab_size * m.dtype_bytes
-        dense_params = self.shape.params - self.shape.moe_layers * self.shape.experts * 2 * h * m.ffn_hidden_size
-        #: parameters every rank holds besides its experts: attention, dense FFNs, routers, embeddings
-        self.dense_params = dense_params
-        self.param_bytes = dense_params * m.dtype_bytes
+        tp = s.parallelism.tp_size
+        routers = self.shape.moe_layers * h * self.shape.experts
+        split = self.shape.params - self.shape.moe_layers * self.shape.experts * 2 * h * m.ffn_hidden_size - routers
+        #: parameters a rank holds besides its experts: 1/tp of attention, dense FFNs and embeddings; the routers
+        self.dense_params = split // tp + routers
+        self.param_bytes = self.dense_params * m.dtype_bytes

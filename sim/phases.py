@@ -233,6 +233,8 @@ class PhaseBuilder:
             if dense.enabled:  # the layer's attention and the dense layers before it
                 self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.block_forward_s),
                            mem_delta=np.full(w, dense.block_activation_bytes))
+                for ops in f.dense_ops:  # tensor parallelism, after the compute (not overlapped)
+                    self.chain("dense", f.layer, "ops", "comm", ops=ops)
             self.host("route", f.layer, tokens)
             self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
             self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
@@ -288,6 +290,8 @@ class PhaseBuilder:
                 self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.block_backward_s),
                            mem_delta=np.full(w, block_grad_bytes(self.s, layer) / self.dense_grad_shard
                                              - dense.block_activation_bytes))
+                for ops in b.dense_ops:
+                    self.chain("dense_backward", layer, "ops", "comm", ops=ops)
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
                 for stage, ops in (("expert_sync", expert_ops), ("dense_sync", d.sync.dense_sync_ops)):
                     for batch in batches([op for op in ops if op.layer == layer]):

@@ -241,10 +241,54 @@ class Planner:
         Expert weights never go through it (M8's pitfall)."""
         if len(self.world) < 2:
             return []
-        what = "dense gradients" if self.s.transformer.enabled else "router gradients"
-        return [CollectiveOp("all_reduce", self.world, "dense_sync", min(b),
-                             size=sum(self.layer_grad_bytes(layer) for layer in b),
-                             label=f"{what}, layers {min(b)}-{max(b)}") for b in self.grad_buckets()]
+        tp = self.s.parallelism.tp_size
+        if tp == 1:
+            what = "dense gradients" if self.s.transformer.enabled else "router gradients"
+            return [CollectiveOp("all_reduce", self.world, "dense_sync", min(b),
+                                 size=sum(self.layer_grad_bytes(layer) for layer in b),
+                                 label=f"{what}, layers {min(b)}-{max(b)}") for b in self.grad_buckets()]
+        # tensor parallel: the routers (whole on every rank) over all ranks, each rank's 1/tp
+        # of the rest over the ranks that hold the same 1/tp (the same index in their group)
+        ops = []
+        for b in self.grad_buckets():
+            label = f"layers {min(b)}-{max(b)}"
+            ops.append(CollectiveOp("all_reduce", self.world, "dense_sync", min(b), size=len(b) * self.router_grad_bytes,
+                                    label=f"router gradients, {label}"))
+            ops += [CollectiveOp("all_reduce", group, "dense_sync", min(b),
+                                 size=sum(block_grad_bytes(self.s, layer) for layer in b),
+                                 label=f"dense gradients (tensor-parallel shard {i}), {label}")
+                    for i, group in enumerate(self.tp_peer_groups())]
+        return ops
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        """The tensor-parallel groups: ``parallelism.tp_size`` consecutive ranks of a node."""
+        tp = self.s.parallelism.tp_size
+        return [tuple(range(r, r + tp)) for r in range(0, self.layout.world, tp)]
+
+    def tp_peer_groups(self) -> list[tuple[int, ...]]:
+        """The ranks holding the same 1/tp of the dense weights: one index in every group."""
+        tp = self.s.parallelism.tp_size
+        return [tuple(range(i, self.layout.world, tp)) for i in range(tp)]
+
+    def tp_ops(self, layer: int, backward: bool) -> list[list[CollectiveOp]]:
+        """Tensor parallelism with sequence parallelism in MoE layer ``layer``'s block
+        (whole transformer, ``parallelism.tp_size`` > 1): around each attention and dense
+        FFN an all-gather of the group's tokens (each rank's T x H activations) before it
+        and a reduce-scatter of its output after it (t x T x H); the backward the other
+        way round. In the order they run: one list of concurrent ops (one per group) each."""
+        tp, t, m = self.s.parallelism.tp_size, self.s.transformer, self.s.model
+        if tp == 1 or not t.enabled:
+            return []
+        rows = self.s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes
+        parts = ["attention"] * t.moe_every + ["dense FFN"] * (t.moe_every - 1)
+        stage = "dense_backward" if backward else "dense"
+        out = []
+        for k, part in enumerate(parts):
+            pair = [("all_gather", rows), ("reduce_scatter", tp * rows)]
+            for kind, size in reversed(pair) if backward else pair:
+                out.append([CollectiveOp(kind, g, stage, layer, size=size, batch=len(out),
+                                         label=f"tensor parallel, {part} {k}") for g in self.tp_groups()])
+        return out
 
     @staticmethod
     def bucket_layers(op: CollectiveOp) -> range:

@@ -123,6 +123,7 @@ class ParallelismConfig:
     ep_size: int = doc("GPUs per expert-parallel group; experts are sharded over it, tokens travel inside it", 4, check=positive)
     placement: str = doc("EP group -> rank mapping: topology (contiguous, M11), strided (ignores topology), random", "topology", choices=PLACEMENTS)
     placement_seed: int = doc("seed of the random placement", 0)
+    tp_size: int = doc("tensor parallelism of the whole transformer's dense layers (transformer.enabled), over consecutive GPUs of a node, with sequence parallelism: each GPU holds 1/tp of the attention heads, dense-FFN columns and vocabulary and its own tokens between them (the MoE layers see each GPU's own tokens); 1 = none", 1, check=positive)
 
 
 @dataclass
@@ -396,6 +397,17 @@ class Scenario:
         for i, f in enumerate(self.faults):
             _check_fault(f"faults[{i}]", f, self.world_size)
         t = self.transformer
+        if p.tp_size > 1 and not t.enabled:
+            raise ScenarioError("parallelism.tp_size", p.tp_size, "tensor parallelism splits the whole transformer's "
+                                "dense layers: set transformer.enabled = true")
+        if c.gpus_per_node % p.tp_size:
+            raise ScenarioError("parallelism.tp_size", p.tp_size, f"does not divide cluster.gpus_per_node = {c.gpus_per_node}")
+        if t.enabled and p.tp_size > 1:
+            for name, value in (("transformer.num_heads", t.num_heads), ("transformer.num_kv_heads", t.kv_heads),
+                                ("transformer.vocab_size", t.vocab_size),
+                                ("transformer.dense_ffn_hidden_size", t.dense_ffn_hidden_size or 4 * m.hidden_size)):
+                if value % p.tp_size:
+                    raise ScenarioError(name, value, f"is not a multiple of parallelism.tp_size = {p.tp_size}")
         if t.enabled:
             if m.hidden_size % t.num_heads:
                 raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")

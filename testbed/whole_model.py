@@ -205,9 +205,10 @@ def shape_of(scenario) -> TransformerShape:
 
 def block_grad_bytes(scenario, layer: int) -> int:
     """Bytes of the gradients of MoE layer ``layer``'s block besides its router, with the
-    whole transformer (0 without): its attention and dense FFNs, the output head's with
-    the last layer (ready first in the backward) and the input embedding's with layer 0
-    (ready last; a tied embedding is both, complete there)."""
+    whole transformer (0 without), on one GPU (1/tp of them under tensor parallelism):
+    its attention and dense FFNs, the output head's with the last layer (ready first in
+    the backward) and the input embedding's with layer 0 (ready last; a tied embedding
+    is both, complete there)."""
     t, m = scenario.transformer, scenario.model
     if not t.enabled:
         return 0
@@ -218,15 +219,17 @@ def block_grad_bytes(scenario, layer: int) -> int:
         out += embedding
     if layer == 0:
         out += embedding
-    return out
+    return out // scenario.parallelism.tp_size  # each tensor-parallel rank holds 1/tp of them
 
 
 def zero_shards(scenario) -> tuple[int, int, int, int]:
     """(dense state, expert state, dense gradient, expert gradient) shards of ZeRO
-    (``transformer.zero_stage``): the ranks each is divided over. A dense parameter lives
-    on every rank (no tensor or pipeline parallelism yet), an expert on its replicas;
+    (``transformer.zero_stage``): the ranks each is divided over. A dense parameter's
+    shard lives on every rank of its tensor-parallel index (world / tp ranks; no pipeline
+    parallelism yet), an expert on its replicas;
     stage 1 shards the optimizer state, stage 2 the gradients too."""
-    stage, world, replicas = scenario.transformer.zero_stage, scenario.world_size, scenario.replicas
+    stage, replicas = scenario.transformer.zero_stage, scenario.replicas
+    world = scenario.world_size // scenario.parallelism.tp_size  # a dense parameter's data-parallel ranks
     state = (world, replicas) if stage >= 1 else (1, 1)
     grads = (world, replicas) if stage >= 2 else (1, 1)
     return state + grads

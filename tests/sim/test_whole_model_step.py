@@ -122,3 +122,34 @@ def test_zero_shards_the_optimizer_state_and_at_stage_2_the_gradients(stage):
         assert b["gradients"] == a["gradients"]
     opt = lambda r: summarize(r.records, 1)["stage_time_s"]["optimizer"]  # noqa: E731
     assert opt(zero) < opt(plain)
+
+
+def test_tensor_parallelism_splits_the_dense_weights_and_adds_its_collectives():
+    """tp 2 inside 2-GPU nodes, with sequence parallelism: each GPU holds half the
+    attention, dense-FFN and embedding weights (the routers whole) and their gradients;
+    each of a layer's 3 parts (2 attentions, 1 dense FFN) all-gathers the pair's tokens
+    (2 x T x H bf16 bytes on the wire per pair) and reduce-scatters its output (the same),
+    forward and backward; the dense gradients are summed over the 4 GPUs holding the same
+    half, the routers' over all 8."""
+    one, two = (SimBackend().run(scenario().replace(parallelism={"tp_size": tp})) for tp in (1, 2))
+    a, b = one.extra["memory_breakdown_bytes"], two.extra["memory_breakdown_bytes"]
+    routers = 2 * (H * E + E) * 4
+    assert b["parameters"] - routers == pytest.approx((a["parameters"] - routers) / 2, abs=2 * 2 * H * E)
+    rows = T * H * 2
+    per_part = 2 * rows + 2 * rows  # all-gather and reduce-scatter in a pair
+    dense_bytes = 2 * 3 * 4 * per_part  # 2 layers x 3 parts x 4 pairs
+    got = summarize(two.records, 1)["bytes_by_stage"]
+    assert got["dense"] == got["dense_backward"] == dense_bytes
+    assert summarize(one.records, 1)["bytes_by_stage"]["dense"] == 0
+    s = scenario()
+    shards = sum(block_grad_bytes(s, layer) for layer in range(2)) / 2  # each GPU's half
+    assert got["dense_sync"] == pytest.approx(2 * 7 * routers + 2 * 2 * 3 * shards)  # 8-rank ring; 2 x 4-rank rings
+
+
+def test_tensor_parallelism_is_checked():
+    with pytest.raises(ScenarioError, match="parallelism.tp_size"):
+        scenario(enabled=False).replace(parallelism={"tp_size": 2})
+    with pytest.raises(ScenarioError, match="does not divide cluster.gpus_per_node"):
+        scenario().replace(parallelism={"tp_size": 4})
+    with pytest.raises(ScenarioError, match="transformer.num_kv_heads"):
+        scenario(num_kv_heads=1).replace(parallelism={"tp_size": 2})
