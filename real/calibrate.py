@@ -221,6 +221,8 @@ def _host_costs(profile: MachineProfile, world: int, fabric: str, workdir: str, 
             f"modelled without host costs {sim['step_time_s'] * 1e3:.1f} ms")
         calls = stage_calls(s)
         for st in STAGES:
+            if not calls[st]:  # a stage the real backend never runs (the whole transformer's)
+                continue
             residual = (real["stage_time_s"][st] - sim["stage_time_s"][st]) / calls[st]
             key = (st, stage_variant(st, s.comm.token_strategy, s.comm.expert_sync))
             points.setdefault(key, []).append((sim["host_bytes_by_stage"][st] / calls[st], residual))
