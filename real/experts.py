@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from real.page_pipeline import blocked_ffn, grouped_blocked
-from real.stacked_weights import StackedWeights
+from real.stacked_weights import StackedWeights, grouped_members, staged
 
 ALIGN_ROWS = 16
 DROPPED_SHIFT = 2**40  # source_slots: above any expert index, so dropped slots sort behind every kept one
@@ -198,9 +198,9 @@ class FlatWeights:
         return None
 
     def stacked_weights(self, instances, counts, may_pipeline):
-        used = [(i, n) for i, n in zip(instances, counts) if n > 0]
-        w = torch.stack([self.flats[i] for i, _ in used])
-        return StackedWeights(used, w, copied_bytes=w.numel() * w.element_size())
+        _, used = grouped_members(instances, counts)
+        like = self.flats[used[0][0]]
+        return staged(used, like.numel(), lambda i, out: out.copy_(self.flats[i]), like.dtype, like.device)
 
 
 # ---- the autograd function ---------------------------------------------------------------------

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from real.stacked_weights import StackedWeights, grouped_members, strided_rows
+from real.stacked_weights import StackedWeights, grouped_members, staged, strided_rows
 from testbed.page_moves import DEFRAG, GPU, HOST, NONE, PEER, UPDATE, PageMoves
 from testbed.pager import RankPager
 
@@ -348,13 +348,11 @@ class PagedExpertStore:
                         self.page_reads[self._pages[inst].start:self._pages[inst].stop] += 1
                 return StackedWeights(members, rows)
             return StackedWeights(members, rows, self._page_by_page(members, None), pipelined=True)
-        w = torch.empty((len(members), self.expert_elems), dtype=self.dtype, device=self.device)
-        nbytes = w.numel() * self.elem
         if not pipelined:
-            for k, (inst, _) in enumerate(members):
-                self.read(inst, w[k])
-            return StackedWeights(members, w, copied_bytes=nbytes)
-        return StackedWeights(members, w, self._page_by_page(members, w), pipelined=True, copied_bytes=nbytes)
+            return staged(members, self.expert_elems, self.read, self.dtype, self.device)
+        w = torch.empty((len(members), self.expert_elems), dtype=self.dtype, device=self.device)
+        return StackedWeights(members, w, self._page_by_page(members, w), pipelined=True,
+                              copied_bytes=w.numel() * self.elem)
 
     def _page_by_page(self, members: list[tuple[int, int]], fill: torch.Tensor | None):
         """``ready(end)`` for a pipelined grouped GEMM: page index by page index up to

@@ -16,7 +16,7 @@ copies that cover them and nothing else; a staged tensor is filled that far firs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -56,10 +56,6 @@ class StackedWeights:
     ready: Callable[[int], None] = _no_wait
     pipelined: bool = False
     copied_bytes: int = 0
-    in_place: bool = field(init=False)
-
-    def __post_init__(self):
-        self.in_place = self.copied_bytes == 0
 
     @property
     def counts(self) -> list[int]:
@@ -79,9 +75,10 @@ def grouped_members(instances: list[int], counts: list[int]) -> tuple[list[tuple
     return list(zip(instances[first:last], counts[first:last])), used
 
 
-def staged(members: list[tuple[int, int]], elems: int, read: Callable, like: torch.Tensor) -> StackedWeights:
+def staged(members: list[tuple[int, int]], elems: int, read: Callable, dtype: torch.dtype,
+           device: torch.device) -> StackedWeights:
     """Members' weights copied, each by ``read(instance, out)``, into a fresh tensor."""
-    w = torch.empty((len(members), elems), dtype=like.dtype, device=like.device)
+    w = torch.empty((len(members), elems), dtype=dtype, device=device)
     for k, (inst, _) in enumerate(members):
         read(inst, w[k])
     return StackedWeights(members, w, copied_bytes=w.numel() * w.element_size())

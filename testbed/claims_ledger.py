@@ -7,11 +7,9 @@ run as they are, and a run either of them finished is not run again.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from typing import Any
 
-from testbed.experiment import ROOT, Options
+from testbed.experiment import ROOT, Options, load_experiment  # noqa: F401 (load_experiment: re-exported)
 from testbed.scenario import Scenario
 from testbed.sweep import Sweep, SweepResult, run_sweep
 
@@ -27,13 +25,6 @@ def names(labels) -> str:
 
 
 # ---- running the scenarios ----------------------------------------------------------------
-def load_experiment(name: str):
-    """An experiments/NAME.py module (by path: experiments/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Ledger:

@@ -23,6 +23,7 @@ measured spread (``--json``: one JSON object), and writes a report
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -113,6 +114,16 @@ def parser(exp: Experiment) -> argparse.ArgumentParser:
                    help="override one field of the base scenario (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
+
+
+def load_experiment(name: str):
+    """The module of ``experiments/NAME.py``, loaded by path (experiments/ is no package)
+    and registered under ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def experiment_main(exp: Experiment, argv: list[str] | None = None) -> int:

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,19 +11,15 @@ import pytest
 
 from testbed import run_figures as F
 from testbed import verdicts as V
+from testbed.experiment import load_experiment
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "claims.py"
 IDS = [f"C{i}" for i in range(1, 17)]
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def claims():
-    spec = importlib.util.spec_from_file_location("claims", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("claims")
 
 
 # ---- verdict rules ------------------------------------------------------------------------

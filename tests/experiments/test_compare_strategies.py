@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+from testbed.experiment import load_experiment
 from testbed.scenario import Scenario
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "compare_strategies.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("compare_strategies", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("compare_strategies")
 
 
 def test_strategy_scenarios_are_the_six_combinations():

@@ -3,17 +3,14 @@ the spine and, past some strength, costs drops (the source's warning, M22)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "local_first_bias.py"
+from testbed.experiment import load_experiment
+
 
 
 def test_quick_sweep_on_the_simulator(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("local_first_bias", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_experiment("local_first_bias")
     code = module.experiment_main(module.EXPERIMENT, ["--quick", "--json", "--backends", "sim", "--no-progress",
                                                       "--output-dir", str(tmp_path / "runs"),
                                                       "--report", str(tmp_path / "bias.html")])

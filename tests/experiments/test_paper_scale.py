@@ -2,23 +2,17 @@
 Megatron-style baseline, both whole-model, with iteration time, MFU, tokens/s per GPU,
 the memory breakdown and the communication share, and its report."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "paper_scale.py"
+from testbed.experiment import load_experiment
+
 
 
 @pytest.fixture(scope="module")
 def paper_scale():
-    spec = importlib.util.spec_from_file_location("paper_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("paper_scale")
 
 
 def test_quick_compares_the_two_configurations_and_writes_its_report(paper_scale, tmp_path, capsys):

@@ -1,21 +1,11 @@
 """The validation experiment's scoring and report, and a real calibration at 2 ranks."""
 
-import importlib.util
-import sys
 
 import pytest
 
+from testbed.experiment import load_experiment
 from testbed.profile import load_profile
 from testbed.validation_report import write_validation_report
-
-
-def load_experiment(repo_root):
-    path = repo_root / "experiments" / "validate_sim_vs_real.py"
-    spec = importlib.util.spec_from_file_location("validate_sim_vs_real", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def point(token, sync, measured, simulated, world=4):
@@ -26,7 +16,7 @@ def point(token, sync, measured, simulated, world=4):
 
 
 def test_speedups_score_only_distinguishable_pairs(repo_root):
-    v = load_experiment(repo_root)
+    v = load_experiment("validate_sim_vs_real")
     points = [point("alltoall", "allreduce", 0.100, 0.095), point("allgather", "allreduce", 0.120, 0.118),
               point("hierarchical", "allreduce", 0.102, 0.090)]
     pairs = v.speedups(points, tie=0.05)
@@ -40,14 +30,14 @@ def test_speedups_score_only_distinguishable_pairs(repo_root):
 
 
 def test_a_wrong_order_is_caught(repo_root):
-    v = load_experiment(repo_root)
+    v = load_experiment("validate_sim_vs_real")
     points = [point("alltoall", "allreduce", 0.100, 0.130), point("allgather", "allreduce", 0.120, 0.118)]
     s = v.summarize(points, v.speedups(points, tie=0.05))
     assert s["speedup_rank_agreement"] == 0.0
 
 
 def test_report_names_runs_profile_and_misses(tmp_path, repo_root):
-    v = load_experiment(repo_root)
+    v = load_experiment("validate_sim_vs_real")
     points = [point("alltoall", "allreduce", 0.100, 0.130), point("allgather", "allreduce", 0.120, 0.118)]
     pairs = v.speedups(points, tie=0.05)
     result = dict(v.summarize(points, pairs), profile=str(load_profile("local-cpu").name), points=points,
@@ -59,7 +49,7 @@ def test_report_names_runs_profile_and_misses(tmp_path, repo_root):
 
 
 def test_a_missing_profile_is_one_line(tmp_path, repo_root, capsys, monkeypatch):
-    v = load_experiment(repo_root)
+    v = load_experiment("validate_sim_vs_real")
     monkeypatch.chdir(tmp_path)
     assert v.main(["--quick", "--profile", "nosuchprofile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -98,7 +88,7 @@ def emulated_point(measured, simulated, spread=0.01, **knobs):
 
 
 def test_emulated_pairs_are_one_knob_apart_and_scored_beyond_the_spread(repo_root):
-    v = load_experiment(repo_root)
+    v = load_experiment("validate_sim_vs_real")
     base = emulated_point(1.0, 1.02)
     strided = emulated_point(1.5, 1.40, placement="strided")
     slow_spine = emulated_point(1.03, 1.0, oversubscription=4.0, spread=0.05)
@@ -121,7 +111,7 @@ def test_emulated_pairs_are_one_knob_apart_and_scored_beyond_the_spread(repo_roo
 def test_emulated_report_names_goals_runs_and_shapes(tmp_path, repo_root):
     from testbed.validation_emulated import write_emulated_report
 
-    v = load_experiment(repo_root)
+    v = load_experiment("validate_sim_vs_real")
     points = [emulated_point(1.0, 1.3), emulated_point(1.5, 1.4, placement="strided")]
     pairs = v.knob_pairs(points)
     result = dict(v.summarize_emulated(points, pairs), fabric="emulated", profile="emulated", points=points,
