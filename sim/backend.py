@@ -119,15 +119,22 @@ class ClusterSim:
         """[W] bytes each GPU holds when a step begins: resident expert pages (all local
         experts when paging is off), communicator buffers (M10) and, for the whole
         transformer, the other weights and the optimizer state (``model_state_bytes``)."""
-        lay, m = self.layout, self.s.model
+        return self.expert_weight_bytes() + self.communicator_bytes() + self.model_state_bytes()
+
+    def expert_weight_bytes(self) -> np.ndarray:
+        """[W] bytes of expert weights on each GPU: its resident pages, or every local
+        expert when paging is off."""
         if self.controller.pool is not None:
-            pages = self.page_bytes_now()
-        else:
-            pages = np.full(lay.world, len(self.controller.local_instances(0)) * m.expert_bytes)
+            return self.page_bytes_now()
+        return np.full(self.layout.world, len(self.controller.local_instances(0)) * self.s.model.expert_bytes)
+
+    def communicator_bytes(self) -> np.ndarray:
+        """[W] bytes of the communicators each GPU holds: the fixed groups and the group
+        cache's (M10), ``collectives.communicator_MiB`` each."""
         groups = self.fixed_groups.copy()
         for members in self.controller.cache.groups():
             groups[list(members)] += 1
-        return pages + groups * self.profile.collectives.communicator_MiB * 2**20 + self.model_state_bytes()
+        return groups * self.profile.collectives.communicator_MiB * 2**20
 
     def model_state_bytes(self) -> float:
         """Bytes every GPU holds for the whole transformer's weights besides its experts
@@ -220,7 +227,7 @@ class SimBackend:
                 routing.append(routed)
                 d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
                 fullest = int(np.argmax(fig.peak_by_rank))
-                breakdown = memory_breakdown(sim, d, base, fullest)  # the last step's is reported
+                breakdown = memory_breakdown(sim, d, fullest)  # the last step's is reported
                 peak_at = fig.peak_at
                 ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
                 record = _record(step, sim, d, fig, faults, ledger)

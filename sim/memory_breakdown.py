@@ -26,21 +26,18 @@ peak (``peak_memory_bytes``, reached where ``peak_memory_at`` says) from above.
 
 from __future__ import annotations
 
-import numpy as np
 
 from sim.phases import StepDecisions, buffer_bytes
 from testbed.whole_model import block_grad_bytes, zero_shards
 
 
-def memory_breakdown(sim, d: StepDecisions, base: np.ndarray, rank: int) -> dict[str, float]:
-    """Bytes per category of GPU ``rank`` over the step ``d`` (module doc); ``base`` is
-    what the GPUs held when the step began (``ClusterSim.memory_at_start``)."""
+def memory_breakdown(sim, d: StepDecisions, rank: int) -> dict[str, float]:
+    """Bytes per category of GPU ``rank`` over the step ``d`` (module doc), the held
+    ones (expert pages, communicators) as they stand after the step."""
     s, m, t = sim.s, sim.s.model, sim.s.transformer
     builder, dense = sim.builder, sim.builder.dense
     rows = [builder.expert_rows(f) for f in d.forward]
     router_bytes = builder.router_grad_bytes * m.num_layers
-    pages = sim.page_bytes_now()
-    expert_pages = float(pages[rank]) if pages is not None else len(sim.controller.local_instances(rank)) * m.expert_bytes
     state = sim.model_state_bytes()
     params = router_bytes + (dense.param_bytes if t.enabled else 0.0)
     _, _, dense_shard, expert_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
@@ -53,7 +50,6 @@ def memory_breakdown(sim, d: StepDecisions, base: np.ndarray, rank: int) -> dict
            + [op for b in d.backward.values() for op in b.combine_backward_ops + b.dispatch_backward_ops]
            + d.sync.expert_sync_ops + d.sync.dense_sync_ops)
     buffers = max((float(buffer_bytes([op], sim.layout.world)[rank]) for op in ops), default=0.0)
-    communicators = float(base[rank]) - (pages[rank] if pages is not None else expert_pages) - state
-    return {"expert_pages": expert_pages, "parameters": params, "gradients": float(gradients),
+    return {"expert_pages": float(sim.expert_weight_bytes()[rank]), "parameters": params, "gradients": float(gradients),
             "optimizer_state": state - (dense.param_bytes if t.enabled else 0.0), "activations": activations,
-            "comm_buffers": buffers, "communicators": max(communicators, 0.0)}
+            "comm_buffers": buffers, "communicators": float(sim.communicator_bytes()[rank])}

@@ -182,6 +182,9 @@ class PhaseBuilder:
         self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
         self.dense = DenseLayers(scenario, compute)  # the whole transformer's non-MoE work (issue 13)
+        self.zero = zero_shards(scenario)  # ZeRO: (dense state, expert state, dense grad, expert grad) shards
+        #: bytes of each layer block's gradients a GPU keeps (its ZeRO-2 shard), whole transformer
+        self.block_grads = [block_grad_bytes(scenario, layer) / self.zero[2] for layer in range(m.num_layers)]
 
     # ---- sizes ------------------------------------------------------------------------------
     def expert_rows(self, fwd: LayerForward) -> np.ndarray:
@@ -223,8 +226,7 @@ class PhaseBuilder:
         n = s.overlap.micro_batches
         rows = {f.layer: self.expert_rows(f) for f in d.forward}
         act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
-        _, _, self.dense_grad_shard, expert_grad_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
-        grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes / expert_grad_shard for layer, r in rows.items()}
+        grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes / self.zero[3] for layer, r in rows.items()}
         self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
         tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
         prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
@@ -288,8 +290,7 @@ class PhaseBuilder:
                        mem_delta=self.router_grad_bytes - act[layer])
             if dense.enabled:  # the block's backward: its activations go, its gradients come
                 self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.block_backward_s),
-                           mem_delta=np.full(w, block_grad_bytes(self.s, layer) / self.dense_grad_shard
-                                             - dense.block_activation_bytes))
+                           mem_delta=np.full(w, self.block_grads[layer] - dense.block_activation_bytes))
                 for ops in b.dense_ops:
                     self.chain("dense_backward", layer, "ops", "comm", ops=ops)
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
@@ -320,7 +321,7 @@ class PhaseBuilder:
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         if dense.enabled:
-            all_grads = all_grads + sum(block_grad_bytes(self.s, layer) for layer in range(m.num_layers)) / self.dense_grad_shard
+            all_grads = all_grads + sum(self.block_grads)
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
         self.host("heat", -1, np.zeros(w))
         if d.end.heat is not None:
@@ -343,7 +344,7 @@ class PhaseBuilder:
         if not t.enabled or t.optimizer == "sgd":
             dense = self.dense.param_bytes if t.enabled else 0.0
             return np.array([self.compute.optimizer_time(b + router_bytes + dense) for b in n_updated * m.expert_bytes])
-        dense_shard, expert_shard, _, _ = zero_shards(self.s)  # ZeRO: each rank updates its shard
+        dense_shard, expert_shard, _, _ = self.zero  # ZeRO: each rank updates its shard
         params = n_updated * m.expert_params / expert_shard + self.dense.dense_params / dense_shard
         return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
 

@@ -22,39 +22,25 @@ class ModelledProbe:
 
     def __init__(self, scenario: Scenario, controller: Controller, compute: ComputeModel, kernel: str):
         self.s, self.controller, self.compute, self.kernel = scenario, controller, compute, kernel
-        world = controller.layout.world
-        self.rank_seconds = np.zeros(world)  # probing seconds of each GPU since ``take``
-        self._local = [set(controller.local_instances(r).tolist()) for r in range(world)]
-
-    def _holders(self, instance: int) -> list[int]:
-        return [r for r, held in enumerate(self._local) if instance in held]
+        self.rank_seconds = np.zeros(controller.layout.world)  # probing seconds of each GPU since ``take``
 
     def answer_s(self, rank: int, instance: int) -> float:
         """Seconds ``rank``'s replica of ``instance`` takes to answer a probe."""
-        m, pager_cfg = self.s.model, self.s.pager
+        m = self.s.model
         compute = self.compute.expert_time([self.s.heat.probe_tokens], m.hidden_size, m.ffn_hidden_size, self.kernel)
-        pager = self.controller.pager_of(rank)
-        if pager is None:  # unpaged: the weights are on the GPU
+        if self.controller.pool is None:  # unpaged: the weights are on the GPU
             return compute
-        pages = pager.pages_of(self._pager_id(rank, instance))
-        away = pager.location[pages] != GPU
-        nbytes = pager.page_nbytes[pages][away]
-        copies = float(np.sum(self.compute.copy_time(np.minimum(nbytes, pager_cfg.page_size_bytes)))) if away.any() else 0.0
-        return copies + compute
-
-    def _pager_id(self, rank: int, instance: int) -> int:
-        """``instance`` in the ids of the pager ``rank`` shares (its class's id row)."""
-        pool = self.controller.pool
-        row = pool.row_of[rank]
-        id_row = pool.id_row[pool.class_of[row]]
-        k = int(np.searchsorted(pool.local[row], instance))
-        return int(pool.local[id_row][k])
+        pager, pages = self.controller.pool.pages_of(rank, instance)
+        away = pager.page_nbytes[pages][pager.location[pages] != GPU]
+        return float(np.sum(self.compute.copy_time(away))) + compute
 
     def __call__(self, instances: np.ndarray) -> np.ndarray:
+        lay = self.controller.layout
         out = np.zeros(len(instances))
         for k, inst in enumerate(np.asarray(instances).tolist()):
-            for r in self._holders(int(inst)):
-                seconds = self.answer_s(r, int(inst))
+            for group in range(lay.replicas):  # every replica: one per EP group
+                r = lay.expert_rank(group, inst % self.s.model.num_experts)
+                seconds = self.answer_s(r, inst)
                 self.rank_seconds[r] += seconds
                 out[k] = max(out[k], seconds)
         return out

@@ -137,6 +137,15 @@ class PagerPool:
         the rank's own ids when it is alone or the id row)."""
         return self.pagers[self.class_of[self.row_of[rank]]]
 
+    def pages_of(self, rank: int, instance: int) -> tuple[RankPager, slice]:
+        """The pager ``rank`` shares and the page-table slice of its replica of
+        ``instance`` (translated by position into the class's id row)."""
+        row = self.row_of[rank]
+        cls = self.class_of[row]
+        position = int(np.searchsorted(self.local[row], instance))
+        pager = self.pagers[cls]
+        return pager, pager.pages_of(int(self.local[self.id_row[cls]][position]))
+
     def ranks_where(self, test, ranks) -> list[int]:
         """The ``ranks`` whose pager passes ``test(pager)``, asked once per pager class."""
         ranks = [int(r) for r in ranks]

@@ -227,12 +227,15 @@ class Planner:
         modelled.)"""
         cap = self.s.comm.grad_bucket_bytes
         buckets: list[list[int]] = []
+        fill = 0  # bytes in the last bucket
         for layer in reversed(range(self.s.model.num_layers)):
-            fill = sum(self.layer_grad_bytes(b) for b in buckets[-1]) if buckets else 0
-            if buckets and (cap == 0 or fill + self.layer_grad_bytes(layer) <= cap):
+            size = self.layer_grad_bytes(layer)
+            if buckets and (cap == 0 or fill + size <= cap):
                 buckets[-1].append(layer)
+                fill += size
             else:
                 buckets.append([layer])
+                fill = size
         return buckets
 
     def dense_sync_ops(self) -> list[CollectiveOp]:

@@ -19,7 +19,7 @@ def _peak_flops(scenario: Scenario) -> float | None:
     the profile cannot be read: then there is no MFU)."""
     try:
         return load_profile(scenario.cluster.profile).compute.peak(scenario.model.dtype)
-    except Exception:  # noqa: BLE001 - a missing or partial profile only costs the MFU figure
+    except ScenarioError:  # a profile that cannot be read only costs the MFU figure
         return None
 
 
