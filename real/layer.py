@@ -89,8 +89,7 @@ class LayerRunner:
             expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
         clock.switch("experts")
         expert_in = mark(expert_in, clock, "dispatch_backward", hook=lambda: r.experts_done(layer))
-        y_RH = PagedExpertFFN.apply(expert_in, r, instances, counts_e,
-                                    s.model.hidden_size, s.model.ffn_hidden_size, r.grads, r.timer, r.grouped)
+        y_RH = self._experts(expert_in, instances, counts_e)
         y_RH = mark(y_RH, clock, "experts_backward")
         clock.switch("combine")
         # the backward of this layer starts here: bring its experts' pages back first
@@ -132,8 +131,16 @@ class LayerRunner:
         told[lay.group_of[list(op.members)]] = np.unpackbits(got, axis=1, count=len(experts)).astype(bool)
         return {int(lay.index_of[r.rank]): told}
 
+    def _experts(self, rows, instances, counts):
+        """The rank's experts on ``rows`` (``counts`` per instance), weights from its store."""
+        r, m = self.r, self.r.scenario.model
+        return PagedExpertFFN.apply(rows, r, instances, counts, m.hidden_size, m.ffn_hidden_size, r.grads, r.timer,
+                                    r.grouped)
+
     # ---- token strategies ----------------------------------------------------------------------
-    def _alltoall(self, layer, x_TH, plan, slot_idx, probs_TK, tokens):
+    def _exchange_plan(self, plan):
+        """This rank's token exchange within its EP group for the layer's kept counts:
+        the flat all-to-all, or the hierarchical stages (``comm.token_strategy``)."""
         r = self.r
         lay = r.layout
         g = int(lay.group_of[r.rank])
@@ -141,9 +148,13 @@ class LayerRunner:
         kept = plan.kept[lay.rank_of[g]]  # [P, E] in EP-index order
         owner = lambda e: e // lay.experts_per_rank  # noqa: E731
         if r.scenario.comm.token_strategy == "hierarchical":
-            xp = plan_exchange(kept, members, owner, hierarchical_stages(lay.index_of[r.planner.grids[g]], owner), r.rank)
-        else:
-            xp = plan_flat(kept, members, owner, r.rank)
+            return plan_exchange(kept, members, owner, hierarchical_stages(lay.index_of[r.planner.grids[g]], owner),
+                                 r.rank)
+        return plan_flat(kept, members, owner, r.rank)
+
+    def _alltoall(self, layer, x_TH, plan, slot_idx, probs_TK, tokens):
+        r = self.r
+        xp = self._exchange_plan(plan)
         dev = x_TH.device
         perms = [torch.as_tensor(st.send_rows, dtype=torch.long, device=dev) for st in xp.stages]
         expert_rows = torch.as_tensor(xp.expert_rows, dtype=torch.long, device=dev)
@@ -170,22 +181,14 @@ class LayerRunner:
         """The flat exchange and the experts in ``overlap.micro_batches`` micro-batches
         (``real.pipeline``): the layer's MoE output [T, H]."""
         r = self.r
-        s, lay = r.scenario, r.layout
-        g = int(lay.group_of[r.rank])
-        members = list(lay.ep_group(g))
-        owner = lambda e: e // lay.experts_per_rank  # noqa: E731
-        xp = plan_flat(plan.kept[lay.rank_of[g]], members, owner, r.rank)
-        (st,) = xp.stages
+        s = r.scenario
+        xp = self._exchange_plan(plan)
+        (st,) = xp.stages  # the flat all-to-all (checked: real.backend)
         dev = x_TH.device
         chunks = plan_chunks(st.send_splits, st.recv_splits, xp.expert_rows, xp.expert_counts,
                              s.overlap.micro_batches, dev)
-        m = s.model
-
-        def experts(rows, counts):
-            return PagedExpertFFN.apply(rows, r, instances, counts, m.hidden_size, m.ffn_hidden_size,
-                                        r.grads, r.timer, r.grouped)
-
-        ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks, experts,
+        ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks,
+                      lambda rows, counts: self._experts(rows, instances, counts),
                       hook=lambda: r.backward_pages(layer), experts_done=lambda: r.experts_done(layer))
         send_rows = torch.as_tensor(st.send_rows, dtype=torch.long, device=dev)
         buf = x_TH.index_select(0, slot_idx // probs_TK.shape[1]).index_select(0, send_rows)
