@@ -1,8 +1,9 @@
 """The scenario: everything one run needs, as one TOML file with a default for every field.
 
-A scenario has the sections below. Each field carries a one-line doc (``doc(...)``) that
-``testbed fields`` prints; validation of a single field sits next to it (``check=``),
-validation across fields in ``Scenario.validate``. Every error is a ``ScenarioError``
+A scenario has the sections below. Each field carries a one-line doc (``doc(...)``,
+declared and read by ``testbed.scenario_fields``) that ``testbed fields`` prints;
+validation of a single field sits next to it (``check=``), validation across fields in
+``Scenario.validate``. Every error is a ``ScenarioError``
 naming the dotted field and the value.
 
 Sizes of the cluster: ``gpus = gpus_per_node * nodes_per_microcluster * microclusters``;
@@ -13,36 +14,18 @@ Sizes of the cluster: ``gpus = gpus_per_node * nodes_per_microcluster * microclu
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from testbed.checks import between, fraction, non_negative, percentile, positive
 from testbed.errors import ScenarioError
+from testbed.scenario_fields import build_section, doc, unknown
 from testbed.topology import Layout
-from testbed.units import parse_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: the largest integer a field may hold: every size stays exact in a float, and products of
-#: a few of them stay finite (what would not fit this machine is refused by testbed.guards)
-MAX_INT = 2**53
 TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical")
 EXPERT_SYNC_STRATEGIES = ("allreduce", "two_stage")
 PLACEMENTS = ("topology", "strided", "random")
-
-
-def doc(text: str, default: Any, *, check: Callable[[Any], str | None] | None = None,
-        kind: type | tuple = (), choices: tuple = (), size: bool = False):
-    """A scenario field: its default, one-line doc, type, allowed choices and a check.
-
-    ``check(value)`` returns None when the value is fine, else the reason it is not.
-    ``size=True`` accepts byte sizes written as strings ("16MiB").
-    """
-    meta = {"doc": text, "check": check, "kind": kind or type(default),
-            "choices": choices, "size": size}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -342,13 +325,13 @@ class Scenario:
             if name == "faults":
                 if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
                     raise ScenarioError("faults", value, "expected [[faults]] tables")
-                sections["faults"] = [_build_section(f"faults[{i}]", FaultConfig, v) for i, v in enumerate(value)]
+                sections["faults"] = [build_section(f"faults[{i}]", FaultConfig, v) for i, v in enumerate(value)]
                 continue
             if name not in SECTIONS:
-                raise ScenarioError(name, value, _unknown(name, list(SECTIONS) + ["faults", "notes"], "section"))
+                raise ScenarioError(name, value, unknown(name, list(SECTIONS) + ["faults", "notes"], "section"))
             if not isinstance(value, dict):
                 raise ScenarioError(name, value, "expected a table [" + name + "]")
-            sections[name] = _build_section(name, SECTIONS[name], value)
+            sections[name] = build_section(name, SECTIONS[name], value)
         scenario = cls(**sections, notes=data.get("notes", ""))
         scenario.validate()
         return scenario
@@ -430,60 +413,6 @@ def _check_fault(path: str, f: "FaultConfig", world: int) -> None:
         raise ScenarioError(f"{path}.target", f.target, f"there are {world} GPUs")
     if kind not in ("gpu", "leaf", "nvlink", "nic", "spine", "pcie"):
         raise ScenarioError(f"{path}.target", f.target, "expected nvlink, nic, spine, pcie, leaf:M or gpu:N")
-
-
-def _unknown(name: str, known: list[str], what: str) -> str:
-    import difflib
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(known)})"
-    return f"unknown {what}{hint}"
-
-
-def _build_section(section: str, cls: type, values: dict):
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        path = f"{section}.{key}"
-        if key not in known:
-            raise ScenarioError(path, value, _unknown(key, list(known), "key"))
-        kwargs[key] = _coerce(path, known[key].metadata, value)
-    return cls(**kwargs)
-
-
-def _coerce(path: str, meta: dict, value: Any) -> Any:
-    kind = meta["kind"]
-    if meta["size"]:
-        try:
-            value = parse_bytes(value)
-        except ValueError as e:
-            raise ScenarioError(path, value, str(e)) from None
-        if value > MAX_INT:
-            raise ScenarioError(path, value, f"too large: at most {MAX_INT:,} bytes (2**53)")
-    elif kind is bool:
-        if not isinstance(value, bool):
-            raise ScenarioError(path, value, "expected true or false")
-    elif kind is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise ScenarioError(path, value, "expected an integer")
-        value = int(value)
-        if abs(value) > MAX_INT:
-            raise ScenarioError(path, value, f"too large: at most {MAX_INT:,} (2**53)")
-    elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ScenarioError(path, value, "expected a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ScenarioError(path, value, "expected a finite number")
-    elif kind is str:
-        if not isinstance(value, str):
-            raise ScenarioError(path, value, "expected a string")
-    if meta["choices"] and value not in meta["choices"]:
-        raise ScenarioError(path, value, "expected one of " + ", ".join(meta["choices"]))
-    if meta["check"] is not None:
-        reason = meta["check"](value)
-        if reason:
-            raise ScenarioError(path, value, reason)
-    return value
 
 
 def field_docs() -> list[tuple[str, Any, str]]:
