@@ -26,8 +26,8 @@ peak (``peak_memory_bytes``, reached where ``peak_memory_at`` says) from above.
 
 from __future__ import annotations
 
-
-from sim.phases import StepDecisions, buffer_bytes
+from sim.phase_sizes import buffer_bytes
+from sim.phases import StepDecisions
 from testbed.whole_model import block_grad_bytes, zero_shards
 
 

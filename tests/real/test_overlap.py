@@ -10,7 +10,7 @@ import torch
 from real import pipeline
 from real.backend import RealBackend
 from real.reference import reference_run, reference_step
-from sim.phases import split_op
+from sim.phase_sizes import split_op
 from testbed.collectives import CollectiveOp
 from testbed.errors import ScenarioError
 from testbed.runner import run_scenario

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sim.phases import batches
+from sim.phase_sizes import batches
 from testbed.collectives import ByteLedger, CollectiveOp, transfers, wire_bytes
 from testbed.planner import Planner, padded_elements
 from testbed.scenario import Scenario
