@@ -38,6 +38,7 @@ from sim.cores import CorePool
 from sim.fabric import build_fabric
 from sim.faults import Faults
 from sim.memory_breakdown import memory_breakdown
+from sim.pipeline_run import PipelinedStep, pipelined, stage_scenario
 from testbed.whole_model import zero_shards
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
@@ -138,26 +139,31 @@ class ClusterSim:
 
     def model_state_bytes(self) -> float:
         """Bytes every GPU holds for the whole transformer's weights besides its experts
-        (attention, dense FFNs, routers, embeddings) and, under Adam, the optimizer state
-        of everything it holds (``transformer.optimizer_state_bytes`` per parameter, its
-        ZeRO shard: ``testbed.whole_model.zero_shards``); 0 for the MoE stack alone
-        (plain SGD keeps no state)."""
-        t, dense = self.s.transformer, self.builder.dense
-        if not t.enabled:
+        (attention, dense FFNs, embeddings, routers) and the optimizer's state
+        (``optimizer_state_bytes``); 0 for the MoE stack alone."""
+        if not self.s.transformer.enabled:
             return 0.0
-        state = 0.0
-        if t.optimizer == "adam":
-            dense_shard, expert_shard, _, _ = zero_shards(self.s)
-            local = len(self.controller.local_instances(0)) * self.s.model.expert_params
-            state = (dense.dense_params / dense_shard + local / expert_shard) * t.optimizer_state_bytes
-        return dense.param_bytes + state
+        routers = self.builder.router_grad_bytes * self.s.model.num_layers  # fp32, as their gradients
+        return self.builder.dense.param_bytes + routers + self.optimizer_state_bytes()
+
+    def optimizer_state_bytes(self) -> float:
+        """Bytes of Adam's state a GPU holds (``transformer.optimizer = adam``):
+        ``transformer.optimizer_state_bytes`` per parameter of everything it holds (dense
+        weights, routers, its experts), its ZeRO shard (``testbed.whole_model.zero_shards``);
+        0 for plain SGD."""
+        t, dense = self.s.transformer, self.builder.dense
+        if not t.enabled or t.optimizer != "adam":
+            return 0.0
+        dense_shard, expert_shard, _, _ = zero_shards(self.s)
+        local = len(self.controller.local_instances(0)) * self.s.model.expert_params
+        return ((dense.dense_params + dense.router_params) / dense_shard + local / expert_shard) * t.optimizer_state_bytes
 
     def page_bytes_now(self) -> np.ndarray | None:
         """[W] bytes of the GPU slots holding pages now (None without paging)."""
         pool = self.controller.pool
         if pool is None:
             return None
-        return np.array([p.used_slots for p in pool.pagers])[pool.class_of] * float(self.s.pager.page_size_bytes)
+        return np.array([p.used_slots for p in pool.pagers])[pool.class_of] * float(pool.pagers[0].slot_bytes)
 
     def free_memory(self, base: np.ndarray) -> dict[int, tuple[float, float]] | None:
         """M15, ``pager.free_memory = device``: per GPU (modelled free bytes outside the page
@@ -170,7 +176,7 @@ class ClusterSim:
             return None
         device = float(cfg.device_memory_bytes or self.profile.compute.device_memory_GB * 1e9)
         pool = self.controller.pool
-        capacity = np.array([p.capacity_slots for p in pool.pagers])[pool.class_of] * cfg.page_size_bytes
+        capacity = np.array([p.capacity_slots for p in pool.pagers])[pool.class_of] * pool.pagers[0].slot_bytes
         other = self.last_other if self.last_other is not None else base - self.page_bytes_now()
         free = np.floor((device - capacity - other) / cfg.page_size_bytes) * cfg.page_size_bytes  # whole pages
         return {int(r): (float(free[i]), device) for i, r in enumerate(pool.ranks)}
@@ -206,8 +212,10 @@ class SimBackend:
 
     def run(self, scenario: Scenario, *, progress: bool = False, on_step=None) -> RunResult:
         wall0 = time.perf_counter()
-        s = scenario
-        profile = load_profile(s.cluster.profile)
+        whole = scenario
+        profile = load_profile(whole.cluster.profile)
+        # pipeline parallelism or micro-batches (sim.pipeline_run): one stage, one micro-batch, simulated
+        s = stage_scenario(whole) if pipelined(whole) else whole
         routed_at = routing_source(s)
         # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
         # draws per step at paper scale): numpy's generators release the GIL, each step has
@@ -216,6 +224,8 @@ class SimBackend:
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
             sim = ClusterSim(s, profile)
+            dense = sim.builder.dense
+            pipe = PipelinedStep(whole, profile, dense.head_forward_s, dense.head_backward_s) if s is not whole else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
             records, trace, routing, layer_times = [], [], [], []
@@ -232,6 +242,11 @@ class SimBackend:
                 ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
                 record = _record(step, sim, d, fig, faults, ledger)
                 record.discovery_s = discovery_seconds(tl)
+                if pipe is not None:
+                    record = pipe.apply(record, phases, tl, breakdown["activations"],
+                                        d.sync.expert_sync_ops + d.sync.dense_sync_ops + d.heat_ops, sim.layout)
+                    held = record.extra["pipeline"]["in_flight"][0] / whole.parallelism.pp_chunks
+                    breakdown = dict(breakdown, activations=breakdown["activations"] * max(held, 1.0))
                 records.append(record)
                 layer_times.append(fig.layer_time_s)
                 trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,
@@ -264,6 +279,9 @@ class SimBackend:
             "sim_events": sim.events,
             "wall_time_s": time.perf_counter() - wall0,
         }
+        if pipe is not None:  # one stage's micro-batches: not a trace of the whole scenario's steps
+            extra["pipeline"] = records[-1].extra["pipeline"] if records else {}
+            return RunResult(whole, records, trace, None, extra)
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
         return RunResult(s, records, trace, routing_trace, extra)
 

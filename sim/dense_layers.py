@@ -63,6 +63,8 @@ class DenseLayers:
         tp = s.parallelism.tp_size
         routers = self.shape.moe_layers * h * self.shape.experts
         split = self.shape.params - self.shape.moe_layers * self.shape.experts * 2 * h * m.ffn_hidden_size - routers
-        #: parameters a rank holds besides its experts: 1/tp of attention, dense FFNs and embeddings; the routers
-        self.dense_params = split // tp + routers
-        self.param_bytes = self.dense_params * m.dtype_bytes
+        #: parameters a rank holds besides its experts and routers: 1/tp of attention, dense FFNs and embeddings
+        self.dense_params = split // tp
+        #: the routers' weights and biases (whole on every rank, fp32)
+        self.router_params = self.shape.moe_layers * (h * self.shape.experts + self.shape.experts)
+        self.param_bytes = self.dense_params * m.dtype_bytes  # the routers' are the phase builder's router_grad_bytes

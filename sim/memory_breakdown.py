@@ -38,7 +38,6 @@ def memory_breakdown(sim, d: StepDecisions, rank: int) -> dict[str, float]:
     builder, dense = sim.builder, sim.builder.dense
     rows = [builder.expert_rows(f) for f in d.forward]
     router_bytes = builder.router_grad_bytes * m.num_layers
-    state = sim.model_state_bytes()
     params = router_bytes + (dense.param_bytes if t.enabled else 0.0)
     _, _, dense_shard, expert_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
     activations = sum(float(builder.activation_bytes(r)[rank]) for r in rows)
@@ -51,5 +50,5 @@ def memory_breakdown(sim, d: StepDecisions, rank: int) -> dict[str, float]:
            + d.sync.expert_sync_ops + d.sync.dense_sync_ops)
     buffers = max((float(buffer_bytes([op], sim.layout.world)[rank]) for op in ops), default=0.0)
     return {"expert_pages": float(sim.expert_weight_bytes()[rank]), "parameters": params, "gradients": float(gradients),
-            "optimizer_state": state - (dense.param_bytes if t.enabled else 0.0), "activations": activations,
+            "optimizer_state": sim.optimizer_state_bytes(), "activations": activations,
             "comm_buffers": buffers, "communicators": float(sim.communicator_bytes()[rank])}

@@ -117,7 +117,8 @@ class PhaseBuilder:
         self.create_on_all_ranks = create_on_all_ranks
         self.copies_overlap = copies_overlap
         m, w = scenario.model, layout.world
-        self.page_bytes = scenario.pager.page_size_bytes
+        # device bytes of one page slot: a page, or a whole expert smaller than a page (RankPager.slot_bytes)
+        self.page_bytes = min(scenario.pager.page_size_bytes, m.expert_bytes)
         # pages an expert's weights are read or updated in (real/paged_store.py); unpaged: one tensor
         self.pages_per_expert = -(-m.expert_bytes // self.page_bytes) if scenario.pager.enabled else 0
         self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
@@ -175,6 +176,7 @@ class PhaseBuilder:
         dense = self.dense
         for f in d.forward:
             if dense.enabled:  # the layer's attention and the dense layers before it
+                self.host("dense", f.layer, tokens)
                 self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.block_forward_s),
                            mem_delta=np.full(w, dense.block_activation_bytes))
                 for ops in f.dense_ops:  # tensor parallelism, after the compute (not overlapped)
@@ -205,8 +207,10 @@ class PhaseBuilder:
             self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer]),
                           ("combine", f.combine_ops), n, copy, pipeline=pipe)
         if dense.enabled:  # the output head and the loss, forward then backward
+            self.host("dense", m.num_layers - 1, tokens)
             self.chain("dense", m.num_layers - 1, "compute", "compute", seconds=np.full(w, dense.head_forward_s),
                        mem_delta=np.full(w, dense.head_activation_bytes))
+            self.host("dense_backward", m.num_layers - 1, tokens)
             self.chain("dense_backward", m.num_layers - 1, "compute", "compute",
                        seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, -dense.head_activation_bytes))
         sync_phases: list[int] = []
@@ -231,6 +235,7 @@ class PhaseBuilder:
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
                        mem_delta=self.router_grad_bytes - act[layer])
             if dense.enabled:  # the block's backward: its activations go, its gradients come
+                self.host("dense_backward", layer, tokens)
                 self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.block_backward_s),
                            mem_delta=np.full(w, self.block_grads[layer] - dense.block_activation_bytes))
                 for ops in b.dense_ops:
@@ -287,7 +292,7 @@ class PhaseBuilder:
             dense = self.dense.param_bytes if t.enabled else 0.0
             return np.array([self.compute.optimizer_time(b + router_bytes + dense) for b in n_updated * m.expert_bytes])
         dense_shard, expert_shard, _, _ = self.zero  # ZeRO: each rank updates its shard
-        params = n_updated * m.expert_params / expert_shard + self.dense.dense_params / dense_shard
+        params = n_updated * m.expert_params / expert_shard + (self.dense.dense_params + self.dense.router_params) / dense_shard
         return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
 
     def heat_phase(self, layer: int, ops: list[CollectiveOp], probe_s: np.ndarray | None) -> None:

@@ -93,6 +93,8 @@ class RankPager:
         self.expert_bytes = expert_bytes
         self.page_size = config.page_size_bytes
         p = self.pages_per_expert = -(-expert_bytes // self.page_size)
+        #: device bytes of one slot: a page, or a whole expert smaller than a page
+        self.slot_bytes = min(self.page_size, expert_bytes)
         n_experts = len(self.experts)
         n = n_experts * p
 

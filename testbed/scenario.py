@@ -59,7 +59,7 @@ class TransformerConfig:
     every layer, ``moe_every - 1`` dense-FFN layers before each MoE layer, the embedding
     and output head, and the optimizer's state. Off: the MoE layer stack alone, plain SGD."""
 
-    enabled: bool = doc("model the whole transformer (simulator only: the real backend trains the MoE stack)", False)
+    enabled: bool = doc("model the whole transformer (the real backend: data x expert parallelism, no tensor parallelism or ZeRO)", False)
     num_heads: int = doc("attention query heads (model.hidden_size must be a multiple)", 8, check=positive)
     num_kv_heads: int = doc("attention key/value heads, grouped-query attention (a divisor of num_heads); 0 = num_heads", 0, check=non_negative)
     seq_len: int = doc("tokens per sequence, which attention spans (workload.tokens_per_rank must be a multiple)", 256, check=positive)
@@ -70,6 +70,11 @@ class TransformerConfig:
     recompute: str = doc("activation recompute: none, or full (each layer keeps its input and runs its forward again in the backward)", "none", choices=("none", "full"))
     optimizer: str = doc("adam: mixed precision (weights and gradients in model.dtype, fp32 master weights and moments), or sgd (the MoE stack's)", "adam", choices=("adam", "sgd"))
     optimizer_state_bytes: int = doc("adam: bytes of optimizer state per parameter (fp32 master, m, v: 12)", 12, check=positive)
+    micro_batches: int = doc("micro-batches per step (workload.tokens_per_rank split evenly): the pipeline's (parallelism.pp_size), else gradient accumulation; the simulator runs each stage on one and times the step with the pipeline schedule", 1, check=positive)
+    adam_learning_rate: float = doc("adam: learning rate (run.learning_rate is plain SGD's)", 1e-3, check=positive)
+    adam_beta1: float = doc("adam: decay of the first moment", 0.9, check=between(0, 0.9999))
+    adam_beta2: float = doc("adam: decay of the second moment", 0.95, check=between(0, 0.9999))
+    adam_eps: float = doc("adam: added to the second moment's root", 1e-8, check=positive)
     zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); the gradient sum moves the same bytes (reduce-scatter + all-gather as one all-reduce)", 0, check=between(0, 2))
 
     @property
@@ -106,6 +111,8 @@ class ParallelismConfig:
     ep_size: int = doc("GPUs per expert-parallel group; experts are sharded over it, tokens travel inside it", 4, check=positive)
     placement: str = doc("EP group -> rank mapping: topology (contiguous, M11), strided (ignores topology), random", "topology", choices=PLACEMENTS)
     placement_seed: int = doc("seed of the random placement", 0)
+    pp_size: int = doc("pipeline stages of the whole transformer (transformer.enabled; simulator only): consecutive blocks of cluster.gpus / pp_size GPUs, each with model.num_layers / pp_size MoE layers (and their blocks), scheduled 1F1B over transformer.micro_batches", 1, check=positive)
+    pp_chunks: int = doc("model chunks per pipeline stage: 1 = plain 1F1B, more = Megatron's interleaved schedule (transformer.micro_batches a multiple of pp_size)", 1, check=positive)
     tp_size: int = doc("tensor parallelism of the whole transformer's dense layers (transformer.enabled), over consecutive GPUs of a node, with sequence parallelism: each GPU holds 1/tp of the attention heads, dense-FFN columns and vocabulary and its own tokens between them (the MoE layers see each GPU's own tokens); 1 = none", 1, check=positive)
 
 
@@ -391,6 +398,7 @@ class Scenario:
                                 ("transformer.dense_ffn_hidden_size", t.dense_ffn_hidden_size or 4 * m.hidden_size)):
                 if value % p.tp_size:
                     raise ScenarioError(name, value, f"is not a multiple of parallelism.tp_size = {p.tp_size}")
+        _check_pipeline(self)
         if t.enabled:
             if m.hidden_size % t.num_heads:
                 raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")
@@ -399,6 +407,39 @@ class Scenario:
             if self.workload.tokens_per_rank % t.seq_len:
                 raise ScenarioError("transformer.seq_len", t.seq_len,
                                     f"does not divide workload.tokens_per_rank = {self.workload.tokens_per_rank}")
+
+
+def _check_pipeline(s: "Scenario") -> None:
+    """Pipeline parallelism and micro-batches (simulated: ``sim.pipeline_run``)."""
+    p, t, c, m = s.parallelism, s.transformer, s.cluster, s.model
+    pipelined = p.pp_size > 1 or p.pp_chunks > 1 or t.micro_batches > 1
+    if pipelined and not t.enabled:
+        name, value = next((n, v) for n, v in (("parallelism.pp_size", p.pp_size), ("parallelism.pp_chunks", p.pp_chunks),
+                                               ("transformer.micro_batches", t.micro_batches)) if v > 1)
+        raise ScenarioError(name, value, "pipelines and micro-batches are the whole transformer's: "
+                            "set transformer.enabled = true")
+    if not pipelined:
+        return
+    if c.microclusters % p.pp_size and not (c.microclusters == 1 and c.nodes_per_microcluster % p.pp_size == 0):
+        raise ScenarioError("parallelism.pp_size", p.pp_size, "stages are whole micro-clusters (or whole nodes of "
+                            f"one): it must divide cluster.microclusters = {c.microclusters} or, with one, "
+                            f"cluster.nodes_per_microcluster = {c.nodes_per_microcluster}")
+    if m.num_layers % (p.pp_size * p.pp_chunks):
+        raise ScenarioError("model.num_layers", m.num_layers,
+                            f"is not a multiple of parallelism.pp_size x pp_chunks = {p.pp_size * p.pp_chunks}")
+    if p.pp_chunks > 1 and t.micro_batches % p.pp_size:
+        raise ScenarioError("transformer.micro_batches", t.micro_batches,
+                            f"the interleaved schedule needs a multiple of parallelism.pp_size = {p.pp_size}")
+    if s.workload.tokens_per_rank % (t.micro_batches * t.seq_len):
+        raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
+                            f"{s.workload.tokens_per_rank} is not a multiple of micro_batches x seq_len")
+    refused = (("pager.enabled", s.pager.enabled, "paging across micro-batches is not modelled"),
+               ("workload.trace", s.workload.trace, "a trace holds whole steps' routing, not one stage's"),
+               ("overlap.micro_batches", s.overlap.micro_batches if s.overlap.micro_batches > 1 else 0,
+                "M22's micro-batches inside a layer are not combined with the pipeline's"))
+    for name, value, why in refused:
+        if value:
+            raise ScenarioError(name, value, f"with pipeline parallelism or transformer.micro_batches: {why}")
 
 
 def _check_fault(path: str, f: "FaultConfig", world: int) -> None:
