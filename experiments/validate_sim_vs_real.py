@@ -6,7 +6,8 @@ two differ only in how time is modelled. Per point: measured and simulated step 
 per-stage times, their relative error, and the stage most off.
 
 ``--fabric loopback`` (CPU ranks over this machine's loopback): token strategy x expert
-sync x capacity factor x world size (2 and 4 ranks); for every pair of strategies at the
+sync x capacity factor x world size (2 and 4 ranks), and the whole transformer (attention,
+dense layers, embeddings, Adam) with an MoE layer every layer or every other one; for every pair of strategies at the
 same world size and capacity factor, measured and simulated speedup and whether the
 simulator orders them the same way (pairs within ``--tie`` are reported, not scored).
 GPU grid (only where CUDA is present): page size (1-64 MB) x heat weights.
@@ -86,6 +87,23 @@ def cpu_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict, Sce
             comm={"token_strategy": token, "expert_sync": sync}, router={"capacity_factor": cap})
         points.append(({"grid": "cpu", "world": world, "capacity_factor": cap, "token_strategy": token,
                         "expert_sync": sync}, s))
+    return points
+
+
+def whole_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict, Scenario]]:
+    """The whole transformer (issue 13) on ``cpu_base``'s 4 ranks: attention of 4 heads
+    over sequences of 128 tokens, a vocabulary of 1,024, Adam; an MoE layer every layer or
+    every other one, each token strategy with all-reduce sync (quick: all-to-all only).
+    Calibration's whole-transformer scenarios use sequences of 64 and a vocabulary of
+    384, and other hidden sizes and token counts."""
+    tokens = ("alltoall",) if quick else TOKEN_STRATEGIES
+    points = []
+    for every, token in itertools.product((1, 2), tokens):
+        s = cpu_base(4, output_dir, profile).replace(
+            comm={"token_strategy": token, "expert_sync": "allreduce"},
+            transformer={"enabled": True, "num_heads": 4, "seq_len": 128, "vocab_size": 1024, "moe_every": every})
+        points.append(({"grid": "whole", "world": 4, "capacity_factor": 1.25, "moe_every": every,
+                        "token_strategy": token, "expert_sync": "allreduce"}, s))
     return points
 
 
@@ -266,6 +284,8 @@ def _name(p: dict) -> str:
     if p["grid"] == "emulated":
         return (f"{p['cluster']} {p['token_strategy']}/{p['expert_sync']} {p['placement']} "
                 f"over {p['oversubscription']:g} skew {p['skew']:g}")
+    if p["grid"] == "whole":
+        return f"whole, MoE every {p['moe_every']}: {p['token_strategy']}/{p['expert_sync']}"
     return f"{p['token_strategy']}/{p['expert_sync']} cf={p['capacity_factor']}"
 
 
@@ -339,7 +359,8 @@ def _run(args) -> int:
         get_tool("net-check")()  # one clear line without root, before any run
         grid = emulated_grid(args.quick, args.output_dir, args.profile)
     else:
-        grid = cpu_grid(args.quick, args.output_dir, args.profile) + gpu_grid(args.quick, args.output_dir, args.profile)
+        grid = (cpu_grid(args.quick, args.output_dir, args.profile) + whole_grid(args.quick, args.output_dir, args.profile)
+                + gpu_grid(args.quick, args.output_dir, args.profile))
     started = time.perf_counter()
     sweep = Sweep.of_scenarios(f"validate-{args.fabric}", [s for _, s in grid], backends=("sim", "real"),
                                repeats=args.repeats)

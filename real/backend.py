@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 
+from real.adam import STATE_BYTES as ADAM_STATE_BYTES
 from real.checkpoint import checkpoint_dir, resumable_steps
 from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env, usable_cores
 from real.netem import check_privileges
@@ -34,9 +35,25 @@ def check_runnable(scenario: Scenario) -> None:
                             f"the real backend pipelines micro-batches of the flat all-to-all only "
                             f"(comm.token_strategy = alltoall, not {s.comm.token_strategy}); "
                             f"--backend sim models the others")
-    if s.transformer.enabled:
-        raise ScenarioError("transformer.enabled", True, "the real backend trains the MoE layer stack only; "
-                            "--backend sim models the whole transformer")
+    t = s.transformer
+    if t.enabled:  # the real whole transformer: data x expert parallelism, Adam or SGD (real.dense_model)
+        if s.parallelism.tp_size > 1:
+            raise ScenarioError("parallelism.tp_size", s.parallelism.tp_size, "the real backend's whole transformer "
+                                "runs without tensor parallelism; --backend sim models it")
+        for name, value in (("parallelism.pp_size", s.parallelism.pp_size), ("parallelism.pp_chunks",
+                            s.parallelism.pp_chunks), ("transformer.micro_batches", t.micro_batches)):
+            if value > 1:
+                raise ScenarioError(name, value, "the real backend runs one micro-batch through every layer on "
+                                    "each rank (no pipeline); --backend sim models pipelines")
+        if t.zero_stage > 0:
+            raise ScenarioError("transformer.zero_stage", t.zero_stage, "the real backend keeps the whole optimizer "
+                                "state on every rank (ZeRO 0); --backend sim models ZeRO")
+        if t.recompute != "none":
+            raise ScenarioError("transformer.recompute", t.recompute, "the real backend keeps every activation; "
+                                "--backend sim models recompute")
+        if t.optimizer == "adam" and t.optimizer_state_bytes != ADAM_STATE_BYTES:
+            raise ScenarioError("transformer.optimizer_state_bytes", t.optimizer_state_bytes,
+                                f"the real backend's Adam keeps fp32 master weights, m and v: {ADAM_STATE_BYTES}")
     if s.faults:
         raise ScenarioError("faults[0].kind", s.faults[0].kind,
                             "simulated only: fault events are injected by --backend sim; a real rank that dies "
@@ -138,6 +155,8 @@ class RealBackend:
                  "group_create_bytes": payload.get("group_create_bytes", 0),
                  "launcher": "spawn" if env is None else "torchrun",
                  "wall_time_s": time.perf_counter() - wall0, "exposed_s": _exposed_s(records, scenario)}
+        if records:  # the last step's, on its fullest rank, measured (real.worker)
+            extra["memory_breakdown_bytes"] = records[-1].extra.get("memory_breakdown_bytes", {})
         if resume is not None and resume is not False:
             extra["resumed_from"] = payload["first_step"]
         return RunResult(scenario, records, payload["trace"], routing, extra, captured=payload.get("captured"))

@@ -133,6 +133,25 @@ def ffn_seconds(tokens: int, hidden: int, ffn: int, reps: int = 5) -> float:
     return float(np.median(out))
 
 
+def attention_seconds(tokens: int, seq_len: int, hidden: int, heads: int, reps: int = 5) -> float:
+    """Forward + backward seconds of causal attention's core (``scaled_dot_product_attention``
+    on ``tokens`` tokens in sequences of ``seq_len``; fp32, this process)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (tokens // seq_len, heads, seq_len, hidden // heads)
+    q, k, v = (torch.randn(*shape, generator=g, requires_grad=True) for _ in range(3))
+
+    def once():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    once()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        out.append(time.perf_counter() - t0)
+    return float(np.median(out))
+
+
 def _calibration_work(rank: int, world: int, report, reps: int, shape: tuple[int, int, int], loopback: bool) -> dict:
     """What one rank of ``testbed calibrate`` measures (module doc)."""
     out = {"latency": software_latency(rank, world, reps, emulated=not loopback)}

@@ -9,7 +9,8 @@ validation judges. Per world size (loopback: 2, 4, ... up to ``--ranks``; emulat
   of its algorithm, fitted by least squares over kinds and group sizes), loopback link
   rates (ranks in pairs exchanging large messages at once), compute under contention;
 - in this process: the expert FFN rate by tokens per expert (the efficiency curve and the
-  fp32 peak) at a shape of its own (``FFN_SHAPE``), and page copies by page size.
+  fp32 peak) at a shape of its own (``FFN_SHAPE``), causal attention's core by sequence
+  length (``SEQ_LENS``; ``compute.efficiency.attention``), and page copies by page size.
 
 The link figures of an emulated profile are not touched: its links are shaped at those
 rates, and ``testbed net probe`` measured their latency and protocol overhead. The
@@ -48,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from real.bench import ffn_seconds, measure_world, page_touch_us
+from real.bench import attention_seconds, ffn_seconds, measure_world, page_touch_us
 from real.launch import usable_cores
 from real.netem import EmulatedFabric
 from testbed.collectives import algorithm_steps
@@ -69,6 +70,10 @@ CONTENTION_TOKENS = 512
 COMM_STAGES = TOKEN_STAGES + ("expert_sync", "dense_sync")
 #: (hidden, ffn, tokens per rank, experts) of the two calibration sizes (docs of calibration_scenarios)
 CALIBRATION_SHAPES = ((96, 192, 256, 12), (192, 384, 640, 4))
+#: the whole transformer's calibration scenarios: sequences of 64 tokens, 4 heads, a vocabulary of 384
+CALIBRATION_SEQ_LEN = 64
+#: sequence lengths of the attention benchmark (its own shape: hidden FFN_SHAPE[0], 4 heads, 2,048 tokens)
+SEQ_LENS = (32, 128, 512)
 EMULATED_CLUSTER = {"gpus_per_node": 2, "nodes_per_microcluster": 2, "microclusters": 2}
 
 
@@ -93,7 +98,10 @@ def calibration_scenarios(world: int, output_dir: str, fabric: str = "loopback",
     else:
         cluster, ep = {"gpus_per_node": 2, "nodes_per_microcluster": max(1, world // 2), "microclusters": 1}, 2
     out = []
-    for (token, sync), (hidden, ffn, tokens, experts) in itertools.product(combos, CALIBRATION_SHAPES):
+    # the whole transformer (the dense stages' host costs): all-to-all, all-reduce sync, both shapes
+    whole = [(("alltoall", "allreduce"), shape, True) for shape in CALIBRATION_SHAPES]
+    for (token, sync), (hidden, ffn, tokens, experts), transformer in (
+            [(c, shape, False) for c, shape in itertools.product(combos, CALIBRATION_SHAPES)] + whole):
         page, budget = _pages(hidden, ffn, experts // ep, 2)
         out.append(Scenario.from_dict({
             "model": {"hidden_size": hidden, "ffn_hidden_size": ffn, "num_layers": 2, "num_experts": experts},
@@ -103,6 +111,8 @@ def calibration_scenarios(world: int, output_dir: str, fabric: str = "loopback",
             "heat": {"update_interval": 3, "window_steps": 6},
             "comm": {"token_strategy": token, "expert_sync": sync},
             "workload": {"tokens_per_rank": tokens},
+            "transformer": ({"enabled": True, "num_heads": 4, "seq_len": CALIBRATION_SEQ_LEN, "vocab_size": 384}
+                            if transformer else {}),
             "real": {"network": fabric},
             "run": {"steps": steps, "warmup_steps": 3, "output_dir": output_dir},
         }))
@@ -146,6 +156,17 @@ def _gemm_curve() -> tuple[float, list[list[float]]]:
     return peak, [[float(t), float(min(1.0, r / peak))] for t, r in zip(TOKENS, rates)]
 
 
+def _attention_curve(peak: float) -> list[list[float]]:
+    """Efficiency by sequence length of causal attention's core (scores and weighted
+    values, forward + backward, ``attention_seconds``) against ``peak`` FLOP/s."""
+    hidden, heads, tokens = FFN_SHAPE[0], 4, 2048
+    out = []
+    for s in SEQ_LENS:
+        flops = 3 * 2.0 * 2.0 * s * hidden * 0.5 * tokens  # 2 x 2 s H per token, halved by the mask
+        out.append([float(s), float(min(1.0, flops / attention_seconds(tokens, s, hidden, heads) / peak))])
+    return out
+
+
 def _copy_table() -> tuple[list[list[float]], float]:
     """([page MiB, GB/s], latency us) of page copies into a separate buffer; the latency
     is the time of the smallest copy."""
@@ -187,8 +208,8 @@ def stage_calls(scenario: Scenario) -> dict[str, int]:
     calls["paging"] = 2 * layers + 1
     for s in ("expert_sync", "dense_sync", "optimizer", "heat"):
         calls[s] = 1
-    for s in ("dense", "dense_backward"):  # the whole transformer's: simulated only, no host cost
-        calls[s] = 0
+    for s in ("dense", "dense_backward"):  # the whole transformer's: a block per layer and the head
+        calls[s] = layers + 1 if scenario.transformer.enabled else 0
     return calls
 
 
@@ -283,13 +304,14 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
     how = ("Measured by `testbed calibrate --fabric %s` (real/calibrate.py, real/bench.py): the library's "
            "software latency per call and per algorithm step, fitted to tiny collectives of every kind and group "
            "size with all groups busy; compute contention per world size; expert FFN rate by tokens (fp32, H x F = "
-           "%d x %d); page copies by size; the host's cost per page of reading and updating paged weights (4 KiB "
+           "%d x %d); causal attention's core by sequence length (%s tokens, 4 heads); page copies by size; the host's cost per page of reading and updating paged weights (4 KiB "
            "against whole-expert pages of 256 KiB experts); %s host cost per stage fitted to calibration scenarios (real minus "
-           "simulated, per call; shapes H x F x tokens x experts %s) that no validation point shares."
-           % (fabric, *FFN_SHAPE,
+           "simulated, per call; shapes H x F x tokens x experts %s, each also as a whole transformer of 4 heads, "
+           "sequences of %d and a vocabulary of 384) that no validation point shares."
+           % (fabric, *FFN_SHAPE, "/".join(map(str, SEQ_LENS)),
               "loopback link rate from ranks exchanging 8 MiB in pairs at once;" if fabric == "loopback"
               else "link rates, latencies and protocol overhead are the base profile's (%s);" % base,
-              ", ".join("x".join(map(str, shape)) for shape in CALIBRATION_SHAPES)))
+              ", ".join("x".join(map(str, shape)) for shape in CALIBRATION_SHAPES), CALIBRATION_SEQ_LEN))
     profile = replace(
         base_profile, name=name,
         description=f"this machine ({platform.node()}), CPU ranks over gloo on a{'n emulated' if fabric == 'emulated' else ' loopback'} network, calibrated",
@@ -302,7 +324,8 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
         compute=replace(base_profile.compute, host_cores=float(len(usable_cores())), peak_tflops=PeakTflops(fp32=peak / 1e12,
                                                                     bf16=base_profile.compute.peak_tflops.bf16,
                                                                     fp16=base_profile.compute.peak_tflops.fp16),
-                        efficiency=Efficiency(grouped=tuple(map(tuple, curve)), loop=tuple(map(tuple, curve)))),
+                        efficiency=Efficiency(grouped=tuple(map(tuple, curve)), loop=tuple(map(tuple, curve)),
+                                              attention=tuple(map(tuple, _attention_curve(peak))))),
         copy=CopyFigures(table=tuple(map(tuple, copy_table)), latency_us=copy_latency, overlap=0.0,
                          read_page_us=touch["read_page_us"], update_page_us=touch["update_page_us"]),
         collectives=replace(base_profile.collectives,

@@ -67,6 +67,11 @@ class Comm:
         self.ledger = ledger
         self.stage_of = stage_of  # () -> name of the stage the clock is in
         self.p2p_all_to_all = p2p_all_to_all
+        #: the largest send + receive buffers of one collective so far (bytes; memory breakdown)
+        self.largest_buffers = 0
+
+    def _buffers(self, *tensors: torch.Tensor) -> None:
+        self.largest_buffers = max(self.largest_buffers, sum(t.numel() * t.element_size() for t in tensors))
 
     def _count(self, kind: str, members: tuple[int, ...], size: int, stage: str | None = None) -> None:
         src, dst, nbytes = transfers(kind, members, size)
@@ -98,6 +103,7 @@ class Comm:
         row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
         self._count_sends(members, [s * row_bytes for s in send_splits], stage)
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        self._buffers(x, out)
         work = None
         if len(members) == 1:
             out.copy_(x)
@@ -113,6 +119,7 @@ class Comm:
         p = len(members)
         self._count("all_gather", tuple(members), x.numel() * x.element_size(), stage)
         out = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
+        self._buffers(x, out)
         if p == 1:
             out.copy_(x)
             return (out, None) if async_op else out
@@ -123,6 +130,7 @@ class Comm:
         p = len(members)
         self._count("reduce_scatter", tuple(members), x.numel() * x.element_size(), stage)
         out = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
+        self._buffers(x, out)
         if p == 1:
             out.copy_(x)
             return (out, None) if async_op else out
@@ -153,6 +161,7 @@ class Comm:
     def all_reduce(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None,
                    reduce_op=dist.ReduceOp.SUM):
         self._count("all_reduce", tuple(members), x.numel() * x.element_size(), stage)
+        self._buffers(x)  # in place
         if len(members) == 1:
             return None
         return dist.all_reduce(x, op=reduce_op, group=group, async_op=async_op)

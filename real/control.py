@@ -42,7 +42,9 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
             by_stage[k] = by_stage.get(k, 0) + int(v)
         for k, v in g["by_level"].items():
             by_level[k] = by_level.get(k, 0) + int(v)
+    fullest = max(range(n), key=lambda r: gathered[r]["peak"])
     return StepRecord(
+        extra={"memory_breakdown_bytes": gathered[fullest]["memory"]} if "memory" in gathered[fullest] else {},
         step=step,
         step_time_s=max(g["step_time_s"] for g in gathered),
         stage_time_s={s: sum(g["stage_time_s"].get(s, 0.0) for g in gathered) / n for s in STAGES},

@@ -1,5 +1,6 @@
 """The gradient sync of one step on the real backend: expert gradients (all-reduce, or
-two-stage within the active groups, M8-M10) and router gradients (DDP-style buckets).
+two-stage within the active groups, M8-M10) and router gradients, with the whole
+transformer the dense weights' too (DDP-style buckets).
 
 It runs one of two ways, with the same collectives in the same order on every rank:
 
@@ -134,7 +135,7 @@ class GradientSync:
         if self.plan.cache is not None:
             st.groups.apply(self.plan.cache)
         for k, op in enumerate(self.plan.dense_sync_ops):
-            self.bucket_left[k] = {p for layer in Planner.bucket_layers(op) for p in st.router[layer]}
+            self.bucket_left[k] = {p for layer in Planner.bucket_layers(op) for p in st.layer_params(layer)}
         st.clock.switch(previous)
 
     def _gather_previous(self, everything: bool = False) -> None:
@@ -180,11 +181,14 @@ class GradientSync:
         self.issued_buckets.add(k)
         st = self.st
         op = self.plan.dense_sync_ops[k]
-        params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.router[layer]]
-        buf = torch.cat([p.grad.reshape(-1) for p in params])
-        work = st.comm.all_reduce(buf, op.members, st.groups.get(op.members), async_op=True, stage="dense_sync")
+        params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.layer_params(layer)]
+        # one buffer per dtype (fp32 routers beside 16-bit dense weights): the bucket's bytes
+        for dtype in dict.fromkeys(p.grad.dtype for p in params):
+            same = [p for p in params if p.grad.dtype == dtype]
+            buf = torch.cat([p.grad.reshape(-1) for p in same])
+            work = st.comm.all_reduce(buf, op.members, st.groups.get(op.members), async_op=True, stage="dense_sync")
 
-        def done(params=params, buf=buf):
-            for p, part in zip(params, buf.split([p.numel() for p in params])):
-                p.grad.copy_(part.view_as(p))
-        self.reducing.append(("dense_sync", work, done))
+            def done(params=same, buf=buf):
+                for p, part in zip(params, buf.split([p.numel() for p in params])):
+                    p.grad.copy_(part.view_as(p))
+            self.reducing.append(("dense_sync", work, done))

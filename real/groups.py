@@ -95,6 +95,11 @@ class Groups:
             self.created_bytes += max(free0 - free_device_bytes(self.device), 0)
         return seconds
 
+    def held(self) -> list[tuple[int, ...]]:
+        """Member sets of the groups this rank's process holds now: the fixed ones and the
+        group cache's (M10)."""
+        return list(self.fixed) + list(self.cached)
+
     def restore(self, cache: GroupCache) -> None:
         """After a resume (M23): one communicator per group of a restored cache, created
         in the cache's LRU order, which every rank's restored controller shares."""

@@ -417,6 +417,26 @@ class PagedExpertStore:
                 self.modified[page] = True
         return shipped
 
+    def write(self, instance: int, flat: torch.Tensor) -> int:
+        """New weights of ``instance`` (Adam's, ``real.adam``), written where each page
+        lives; pages on the host receive theirs over PCIe, as ``update``'s gradients do
+        (the same bytes, returned)."""
+        self.wait_for(instance)
+        self._host_ready(instance)
+        shipped = 0
+        for page in self._pages[instance]:
+            _, start, n = self._page_range(page)
+            part = flat[start:start + n]
+            if self.loc[page] == GPU:
+                self._slot_tensor(int(self.slot_of[page]))[:n].copy_(part)
+                self.modified[page] = True
+            elif self.loc[page] == HOST:
+                staged = part.to("cpu", copy=True)
+                shipped += staged.numel() * self.elem
+                self._host_view(page).copy_(staged)
+                self.modified[page] = True
+        return shipped
+
     @property
     def device_bytes(self) -> int:
         """Bytes of the device slots in use (the pool's occupied slots and any overflow)."""

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from real.clock import StageClock
+from real.adam import MixedAdam
 from real.comm import Comm, PayloadCodec
+from real.dense_model import DenseModel
 from real.experts import ExpertTimer, grouped_supported
 from real.groups import Groups
 from real.layer import seed_of
@@ -96,8 +98,12 @@ class RankState:
         self.blocked_experts = 0  # expert forwards computed page by page (M14)
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
-        for p in (p for pair in self.router for p in pair):
-            p.register_post_accumulate_grad_hook(self._router_grad_ready)
+        # the whole transformer's dense weights (issue 13) and the optimizer's state
+        self.dense = DenseModel(s, self.dtype, self.device) if s.transformer.enabled else None
+        self.adam = MixedAdam(s) if s.transformer.enabled and s.transformer.optimizer == "adam" else None
+        for layer in range(m.num_layers):
+            for p in self.layer_params(layer):  # a bucket's all-reduce goes once its gradients are in
+                p.register_post_accumulate_grad_hook(self._router_grad_ready)
         init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
         self.store = None
         self.unpaged: dict[int, torch.Tensor] = {}
@@ -114,12 +120,27 @@ class RankState:
         self.shadow = ({int(i): init(int(i)).to(self.device, self.dtype)
                         for i in self.controller.local_instances(self.rank)}
                        if s.real.check_weights else None)
+        if self.adam is not None:
+            for k, p in enumerate(self.dense_params()):
+                self.adam.add(("dense", k), p)
+            for i in self.controller.local_instances(self.rank):
+                self.adam.add(("expert", int(i)), init(int(i)))
         self.modified: set[int] = set()  # unpaged instances changed since the last optimizer checkpoint
         self.grads: dict[int, torch.Tensor] = {}  # this step's expert weight gradients
         self.page_bytes = 0
         self.page_moves = 0
         self.moves_by_reason: dict[str, int] = {}
         self.stall_s = 0.0
+
+    def layer_params(self, layer: int) -> list[torch.Tensor]:
+        """The weights besides experts whose gradients MoE layer ``layer``'s gradient
+        bucket sums over all ranks (``Planner.layer_grad_bytes``): its router's and, with
+        the whole transformer, its block's (``DenseModel.layer_params``)."""
+        return list(self.router[layer]) + (self.dense.layer_params(layer) if self.dense is not None else [])
+
+    def dense_params(self) -> list[torch.Tensor]:
+        """Every weight besides experts: routers and the whole transformer's dense ones."""
+        return [p for layer in range(self.scenario.model.num_layers) for p in self.layer_params(layer)]
 
     def free_memory(self) -> dict[int, tuple[float, float]] | None:
         """M15, ``pager.free_memory = device``: {rank: (bytes free on the device outside the
@@ -214,16 +235,23 @@ class RankState:
             self.store.clear_modified()
         self.modified.clear()
 
-    def restore(self, controller: Controller, router: list, pages: dict[int, torch.Tensor]) -> None:
+    def restore(self, controller: Controller, router: list, pages: dict[int, torch.Tensor],
+                dense: list | None = None, adam: dict | None = None) -> None:
         """Take over a checkpoint: the controller (policies, page table, caches), the
-        router parameters and the expert weight pages; the cached process groups of the
-        restored group cache are created again (same order on every rank)."""
+        router parameters, the expert weight pages and, with the whole transformer, its
+        dense weights and the Adam state; the cached process groups of the restored group
+        cache are created again (same order on every rank)."""
         self.controller = controller
         self.planner = controller.planner
         with torch.no_grad():
             for (w, b), (w0, b0) in zip(self.router, router):
                 w.copy_(w0)
                 b.copy_(b0)
+            if self.dense is not None:
+                for p, p0 in zip(self.dense.params(), dense):
+                    p.copy_(p0)
+        if self.adam is not None:
+            self.adam.load_state_dict(adam)
         if self.store is not None:
             self.store.restore(controller.pager_of(self.rank), pages)
         else:
@@ -298,6 +326,8 @@ class RankState:
                 p2p.append(("recv", incoming[inst], src))
         self.comm.p2p(p2p)
         for inst, flat in incoming.items():
+            if self.adam is not None:
+                self.adam.reset_weight(("expert", inst), flat)
             if self.shadow is not None:
                 self.shadow[inst] = flat.clone()
             if self.store is None:
@@ -320,9 +350,10 @@ class ActivationMeter:
     """Bytes of tensors autograd saves for the backward during the forward (CPU memory
     accounting: the activations a GPU would hold at the end of the forward)."""
 
-    def __init__(self):
+    def __init__(self, exclude: list[torch.Tensor] = ()):
         self.peak_bytes = 0
-        self._seen: set[int] = set()
+        # weights that a matmul saves are parameters, not activations
+        self._seen: set[int] = {t.untyped_storage().data_ptr() for t in exclude}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):

@@ -33,3 +33,30 @@ class SyntheticTask:
         x_TH = self.centers_CH[c_T] + 0.5 * torch.randn(self.tokens, self.hidden, generator=g)
         y_TH = torch.tanh(torch.einsum("th,thk->tk", x_TH, self.teachers_CHH[c_T]))
         return x_TH, y_TH
+
+
+class TokenTask:
+    """The whole transformer's task (``transformer.enabled``): token ids in, target ids
+    out. Rank r's tokens at step s come from the vocabulary's clusters (token v is in
+    cluster v mod E) drawn with the workload's popularity for (layer 0, rank r, step s),
+    each uniform within its cluster; the target of token v is a fixed random permutation
+    of v, so the next-token map is learnable. Deterministic in (workload.seed, step, rank)."""
+
+    def __init__(self, scenario: Scenario):
+        self.tokens, self.vocab = scenario.workload.tokens_per_rank, scenario.transformer.vocab_size
+        self.clusters = scenario.model.num_experts
+        self.seed = scenario.workload.seed
+        g = torch.Generator().manual_seed(self.seed * 1000003 + 29)
+        self.target_of = torch.randperm(self.vocab, generator=g)
+        self.workload = SyntheticWorkload(scenario)
+
+    def batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [T], target ids [T]), int64."""
+        p = torch.from_numpy(self.workload.popularity(step)[0, rank]).float()
+        g = torch.Generator().manual_seed((self.seed * 7919 + step) * 104729 + rank + 31)
+        c_T = torch.multinomial(p, self.tokens, replacement=True, generator=g)
+        per_cluster = -(-self.vocab // self.clusters)
+        offset = torch.randint(0, per_cluster, (self.tokens,), generator=g)
+        ids = offset * self.clusters + c_T
+        ids = torch.where(ids < self.vocab, ids, c_T % self.vocab)  # the last row of clusters is short
+        return ids, self.target_of[ids]

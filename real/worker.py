@@ -42,8 +42,10 @@ from real.layer import LayerRunner, own_op
 from real.probe import probe_answers
 from real.gradient_sync import GradientSync
 from real.rank_state import ActivationMeter, RankState
-from real.task import SyntheticTask
+from real.clock import mark
+from real.task import SyntheticTask, TokenTask
 from testbed.errors import RunError, ScenarioError
+from testbed.profile import load_profile
 
 from testbed.scenario import Scenario
 
@@ -55,10 +57,11 @@ class RankRunner:
         self.s = scenario
         self.st = RankState(scenario, rank, device)
         self.layers = LayerRunner(self.st)
-        self.task = SyntheticTask(scenario)
+        self.task = TokenTask(scenario) if scenario.transformer.enabled else SyntheticTask(scenario)
         self.world = scenario.world_size
         self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
         self.trace: list[dict] = []
+        self.communicator_bytes = load_profile(scenario.cluster.profile).collectives.communicator_MiB * 2**20
 
     def run(self, control, debug: dict | None = None, run_dir: str | None = None, resume=None) -> dict:
         """All steps (from the resume point on); each step's metrics go to ``control``
@@ -116,9 +119,14 @@ class RankRunner:
         # ranks would wait for it inside the next step's stages
         control.gate(step)
         t_start = st.clock.now()
-        # the first MoE layer's input stands for the output of earlier layers: it needs a
-        # gradient, so the first layer's dispatch backward runs like every other's
-        h = x_TH.to(st.dtype).requires_grad_()
+        dense = st.dense  # the whole transformer's (issue 13): embedding, blocks, head
+        if dense is not None:
+            st.clock.switch("dense")
+            h = dense.embed(x_TH)
+        else:
+            # the first MoE layer's input stands for the output of earlier layers: it needs a
+            # gradient, so the first layer's dispatch backward runs like every other's
+            h = x_TH.to(st.dtype).requires_grad_()
         aux_total = torch.zeros((), device=st.device)
         routed, kept = [], []  # this rank's counts per layer
         # the heat all-reduce and the M20 probe, for heat updates at this step's end or,
@@ -126,8 +134,11 @@ class RankRunner:
         st.controller.set_heat_io(self._in_heat_stage(self._sum_heat),
                                   self._in_heat_stage(lambda instances: probe_answers(st, st.controller.step, instances)))
         first = None  # layer 0's plan: a deferred heat update (M18) is applied there
-        with ActivationMeter() as meter:
+        with ActivationMeter(exclude=st.dense_params()) as meter:
             for layer in range(s.model.num_layers):
+                if dense is not None:  # the layer's attention and the dense layers before it
+                    st.clock.switch("dense")
+                    h = mark(dense.block(layer, h), st.clock, "dense_backward")
                 h, aux, plan = self.layers.forward(layer, h, step)
                 first = plan if layer == 0 else first
                 aux_total = aux_total + aux
@@ -139,15 +150,23 @@ class RankRunner:
             if step == 0:
                 self.capture["output"] = h.detach().clone()
         resident = st.store.device_bytes if st.store else sum(t.numel() * t.element_size() for t in st.unpaged.values())
-        st.clock.switch("combine_backward")
-        task_loss = torch.mean((h.float() - y_TH) ** 2)
+        if dense is not None:  # the output head and the loss; their backward comes first
+            st.clock.switch("dense")
+            with meter:
+                task_loss = dense.loss(h, y_TH)
+            first_backward = "dense_backward"
+        else:
+            first_backward = "combine_backward"
+            st.clock.switch(first_backward)
+            task_loss = torch.mean((h.float() - y_TH) ** 2)
         loss = task_loss + aux_total
         if s.overlap.sync_with_backward:  # M22: issued from the backward as gradients complete
             sync = GradientSync(self, kept, during_backward=True)
-            st.clock.switch("combine_backward")
+            st.clock.switch(first_backward)
             (loss / self.world).backward()
             self.sync_plan = sync.finish()
         else:
+            st.clock.switch(first_backward)
             (loss / self.world).backward()
             sync = GradientSync(self, kept, during_backward=False)
             self.sync_plan = sync.after_backward()
@@ -158,6 +177,7 @@ class RankRunner:
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
                                             for i in st.controller.local_instances(st.rank) if int(i) in updated}
             self.capture["router_grads"] = [(w.grad.clone(), b.grad.clone()) for w, b in st.router]
+        gradient_bytes = self._gradient_bytes()  # every gradient is in, until the optimizer step
         self._optimize()
         if self.capture is not None and step == 0:
             g = st.layout.group_of[st.rank]
@@ -171,9 +191,11 @@ class RankRunner:
         self._check_weights()
         st.clock.switch(None)
         step_time = st.clock.now() - t_start
-        grad_bytes = sum(g.numel() * g.element_size() for g in st.grads.values())
+        memory = self._memory_breakdown(resident, meter.peak_bytes, gradient_bytes)
+        grad_bytes = memory["gradients"]
         peak = (torch.cuda.max_memory_allocated(st.device) if st.device.type == "cuda"
-                else resident + meter.peak_bytes + grad_bytes)
+                else resident + meter.peak_bytes + grad_bytes + (memory["parameters"] + memory["optimizer_state"]
+                                                                 if st.dense is not None else 0))
         st.last_other_bytes = float(meter.peak_bytes + grad_bytes)
         totals, regions = st.clock.take()
         heat = end.heat if end.heat is not None else (first.heat if first is not None else None)
@@ -187,7 +209,7 @@ class RankRunner:
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
             "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
             "routed": int(routed.sum()), "dropped": int(routed.sum() - kept.sum()),
-            "discovery_s": self.discovery_s,
+            "discovery_s": self.discovery_s, "memory": memory,
         }
         for name, t0, t1 in regions:
             self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
@@ -195,6 +217,28 @@ class RankRunner:
         self.routing.append(routed)
         states = heat.state_counts() if heat is not None else None
         control.publish(step, local, lead_fields(cache, states))
+
+    def _gradient_bytes(self) -> int:
+        """Bytes of every gradient the backward made: the experts', routers' and dense weights'."""
+        st = self.st
+        return (sum(g.numel() * g.element_size() for g in st.grads.values())
+                + sum(p.grad.numel() * p.grad.element_size() for p in st.dense_params() if p.grad is not None))
+
+    def _memory_breakdown(self, resident: int, activation_bytes: int, gradient_bytes: int) -> dict[str, float]:
+        """Bytes this rank held over the step by category, the simulator's
+        (``sim.memory_breakdown``), measured from the tensors themselves: the expert weights
+        on the device at the forward's end, the other weights, every gradient of the
+        backward (experts', routers', dense), the optimizer's state, what autograd saved
+        for the backward, the largest send + receive buffers of one collective, and the
+        communicators (the groups this rank is in, ``collectives.communicator_MiB`` each:
+        gloo and NCCL do not report theirs)."""
+        st = self.st
+        params = st.dense_params()
+        groups = sum(1 for members in st.groups.held() if st.rank in members)
+        return {"expert_pages": float(resident), "parameters": float(sum(p.numel() * p.element_size() for p in params)),
+                "gradients": float(gradient_bytes), "optimizer_state": float(st.adam.nbytes if st.adam is not None else 0),
+                "activations": float(activation_bytes), "comm_buffers": float(st.comm.largest_buffers),
+                "communicators": float(groups * self.communicator_bytes)}
 
     def _in_heat_stage(self, fn):
         """``fn`` timed as the heat stage, whichever stage the step is in when it runs (a
@@ -268,25 +312,30 @@ class RankRunner:
         return torch.zeros(self.s.model.expert_params, dtype=self.st.dtype, device=self.st.device)
 
     def _optimize(self) -> None:
-        """Plain SGD: router everywhere, experts whose replica receives a gradient."""
+        """The optimizer step on the routers and dense weights (every rank) and the experts
+        whose replica receives a gradient: plain SGD, or with the whole transformer's
+        ``transformer.optimizer = adam`` mixed-precision Adam (``real.adam``)."""
         s, st = self.s, self.st
         st.clock.switch("optimizer")
-        lr = s.run.learning_rate
+        lr, adam = s.run.learning_rate, st.adam
         with torch.no_grad():
-            for w, b in st.router:
-                w -= lr * w.grad
-                b -= lr * b.grad
-                w.grad, b.grad = None, None
+            for k, p in enumerate(st.dense_params()):
+                if adam is not None:
+                    p.copy_(adam.step(("dense", k), p.grad))
+                else:
+                    p -= lr * p.grad
+                p.grad = None
             for inst in self.sync_plan.updated[st.rank]:
                 inst = int(inst)
                 g = self.synced.get(inst, self._grad(inst))
+                new = adam.step(("expert", inst), g).to(st.dtype) if adam is not None else None
                 if st.store is not None:
-                    shipped = st.store.update(inst, g, lr)
+                    shipped = st.store.update(inst, g, lr) if new is None else st.store.write(inst, new)
                     st.ledger.add_pcie("paging", shipped)
                 else:
-                    st.set_unpaged(inst, st.unpaged[inst] - lr * g)
+                    st.set_unpaged(inst, st.unpaged[inst] - lr * g if new is None else new)
                 if st.shadow is not None:
-                    st.shadow[inst] = st.shadow[inst] - lr * g
+                    st.shadow[inst] = st.shadow[inst] - lr * g if new is None else new.clone()
         st.execute_moves(self.sync_plan.page_moves.get(st.rank))
 
     def _check_weights(self) -> None:
