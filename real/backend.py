@@ -36,10 +36,7 @@ def check_runnable(scenario: Scenario) -> None:
                             f"(comm.token_strategy = alltoall, not {s.comm.token_strategy}); "
                             f"--backend sim models the others")
     t = s.transformer
-    if t.enabled:  # the real whole transformer: data x expert parallelism, Adam or SGD (real.dense_model)
-        if s.parallelism.tp_size > 1:
-            raise ScenarioError("parallelism.tp_size", s.parallelism.tp_size, "the real backend's whole transformer "
-                                "runs without tensor parallelism; --backend sim models it")
+    if t.enabled:  # the real whole transformer: data x expert x tensor parallelism, Adam or SGD (real.dense_model)
         for name, value in (("parallelism.pp_size", s.parallelism.pp_size), ("parallelism.pp_chunks",
                             s.parallelism.pp_chunks), ("transformer.micro_batches", t.micro_batches)):
             if value > 1:

@@ -15,25 +15,55 @@ FLOPs and gradient bytes (``Planner.layer_grad_bytes``):
   the embedding's transpose when ``tied_embeddings``) turns the last layer's output into
   logits, and the loss is their cross entropy with the target tokens.
 
-Every rank holds every dense weight (data parallelism; tensor parallelism is the
-simulator's only), in ``model.dtype``, initialised from generators seeded by
-(run.seed, layer, sublayer, kind): the same on every rank and in every run.
+Every weight is initialised whole from a generator seeded by (run.seed, layer, sublayer,
+kind): the same on every rank and in every run, in ``model.dtype``. Without tensor
+parallelism every rank holds all of them (data parallelism); with it
+(``parallelism.tp_size`` t, ``real.tensor_parallel``) each rank of a group keeps its 1/t
+of the heads, FFN columns and vocabulary, so a run with t = 2 computes what t = 1 does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from real.comm import AllGather, ReduceScatter
 from real.layer import seed_of
+from real.tensor_parallel import VocabParallelCrossEntropy, shard
 from testbed.scenario import Scenario
 from testbed.whole_model import shape_of
 
 
-def _init(shape: tuple[int, int], seed: int, dtype, device) -> torch.Tensor:
-    """A [fan_in, fan_out] weight of std 1/sqrt(fan_in), as a leaf that takes gradients."""
+@dataclass
+class TensorGroup:
+    """This rank's tensor-parallel group: ``size`` ranks ``members`` (sorted), this rank at
+    ``index``, their process group and the rank's counted collectives."""
+
+    size: int
+    index: int
+    members: tuple[int, ...]
+    group: object
+    comm: object
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of ``x``, in member order (backward: a reduce-scatter)."""
+        return AllGather.apply(x.contiguous(), self.comm, self.members, self.group)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of ``x``, this rank's rows of it (backward: an all-gather)."""
+        return ReduceScatter.apply(x.contiguous(), self.comm, self.members, self.group)
+
+
+def _init(shape: tuple[int, int], seed: int, dtype, device, tp: TensorGroup | None = None,
+          split: int | None = None) -> torch.Tensor:
+    """A [fan_in, fan_out] weight of std 1/sqrt(fan_in), as a leaf that takes gradients:
+    whole, or this rank's 1/t of it along dimension ``split``."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g) / shape[0] ** 0.5
+    if tp is not None and split is not None:
+        w = shard(w, split, tp.index, tp.size)
     return w.to(device, dtype).requires_grad_()
 
 
@@ -45,29 +75,35 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 class DenseModel:
     """The dense weights of one rank and their forward (module doc)."""
 
-    def __init__(self, scenario: Scenario, dtype: torch.dtype, device: torch.device):
+    def __init__(self, scenario: Scenario, dtype: torch.dtype, device: torch.device, tp: TensorGroup | None = None):
         s, t, m = scenario, scenario.transformer, scenario.model
-        self.s, self.shape = s, shape_of(s)
+        self.s, self.shape, self.tp = s, shape_of(s), tp
+        parts = tp.size if tp is not None else 1
         h, n, k, d = m.hidden_size, t.num_heads, t.kv_heads, m.hidden_size // t.num_heads
-        self.heads, self.kv_heads, self.head_dim, self.seq_len = n, k, d, t.seq_len
+        # this rank's heads (all, or its 1/t of the query and of the key/value heads)
+        self.heads, self.kv_heads, self.head_dim, self.seq_len = n // parts, k // parts, d, t.seq_len
         f = self.shape.dense_ffn
         seed = s.run.seed
+        #: the first vocabulary id of this rank's shard
+        self.vocab_lo = t.vocab_size // parts * (tp.index if tp is not None else 0)
 
-        def w(shape, layer, sub, kind):
-            return _init(shape, seed_of(seed, layer, sub, kind, 0xD5), dtype, device)
+        def w(shape, layer, sub, kind, split=None):
+            return _init(shape, seed_of(seed, layer, sub, kind, 0xD5), dtype, device, tp, split)
 
         #: per MoE layer: [(wq, wk, wv, wo) per sublayer], [(w1, w2) per dense FFN]
         self.attention: list[list[tuple[torch.Tensor, ...]]] = []
         self.ffn: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for layer in range(m.num_layers):
-            self.attention.append([(w((h, n * d), layer, j, 1), w((h, k * d), layer, j, 2), w((h, k * d), layer, j, 3),
-                                    w((n * d, h), layer, j, 4)) for j in range(t.moe_every)])
-            self.ffn.append([(w((h, f), layer, j, 5), w((f, h), layer, j, 6)) for j in range(t.moe_every - 1)])
-        #: [V, H]; looked up by token, and the output head when tied
-        self.embedding = w((t.vocab_size, h), m.num_layers, 0, 7)  # seeded past the layers
+        for layer in range(m.num_layers):  # Q, K, V split by heads (columns), O by its rows; W1 columns, W2 rows
+            self.attention.append([(w((h, n * d), layer, j, 1, 1), w((h, k * d), layer, j, 2, 1),
+                                    w((h, k * d), layer, j, 3, 1), w((n * d, h), layer, j, 4, 0))
+                                   for j in range(t.moe_every)])
+            self.ffn.append([(w((h, f), layer, j, 5, 1), w((f, h), layer, j, 6, 0)) for j in range(t.moe_every - 1)])
+        #: [V, H] (or this rank's V / t rows); looked up by token, and the output head when tied
+        self.embedding = w((t.vocab_size, h), m.num_layers, 0, 7, 0)  # seeded past the layers
         with torch.no_grad():  # embeddings of O(1) entries, as the MoE stack's inputs are
             self.embedding.mul_(h ** 0.5)
-        self.head = None if t.tied_embeddings else w((h, t.vocab_size), m.num_layers, 0, 8)
+        self.head = None if t.tied_embeddings else w((h, t.vocab_size), m.num_layers, 0, 8, 1)
+        self._targets = None  # tensor parallel: the group's targets, gathered with its token ids
 
     # ---- what the optimizer and the gradient sync see ---------------------------------------------
     def layer_params(self, layer: int) -> list[torch.Tensor]:
@@ -89,17 +125,36 @@ class DenseModel:
         return sum(p.numel() * p.element_size() for p in self.params())
 
     # ---- forward -----------------------------------------------------------------------------------
-    def embed(self, tokens_T: torch.Tensor) -> torch.Tensor:
-        return self.embedding.index_select(0, tokens_T)
+    def embed(self, tokens_T: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens' embeddings [T, H]. Tensor parallel: the group's ids (with
+        their targets, for the loss) gathered, each rank's rows of the vocabulary looked
+        up, the partial embeddings summed back to each rank's own tokens."""
+        tp = self.tp
+        if tp is None:
+            return self.embedding.index_select(0, tokens_T)
+        both = tp.comm.all_gather(torch.stack([tokens_T, targets_T], dim=1).contiguous(), tp.members, tp.group)
+        ids, self._targets = both[:, 0], both[:, 1]
+        local = ids - self.vocab_lo
+        mine = (local >= 0) & (local < self.embedding.shape[0])
+        rows = self.embedding.index_select(0, local.clamp(0, self.embedding.shape[0] - 1))
+        return tp.scatter(rows * mine[:, None].to(rows.dtype))
 
     def block(self, layer: int, x_TH: torch.Tensor) -> torch.Tensor:
         """MoE layer ``layer``'s block: its attentions and the dense FFNs between them."""
         for j, qkvo in enumerate(self.attention[layer]):
-            x_TH = x_TH + self._attention(rms_norm(x_TH), *qkvo)
+            x_TH = x_TH + self._sublayer(x_TH, lambda y: self._attention(y, *qkvo))
             if j < len(self.ffn[layer]):
                 w1, w2 = self.ffn[layer][j]
-                x_TH = x_TH + F.gelu(rms_norm(x_TH) @ w1) @ w2
+                x_TH = x_TH + self._sublayer(x_TH, lambda y: F.gelu(y @ w1) @ w2)
         return x_TH
+
+    def _sublayer(self, x_TH: torch.Tensor, fn) -> torch.Tensor:
+        """``fn`` on the normalised input; tensor parallel: on the group's tokens (gathered),
+        its partial outputs summed back to this rank's own."""
+        y = rms_norm(x_TH)
+        if self.tp is None:
+            return fn(y)
+        return self.tp.scatter(fn(self.tp.gather(y)))
 
     def _attention(self, x_TH, wq, wk, wv, wo) -> torch.Tensor:
         """Causal attention within each sequence of ``seq_len`` consecutive tokens."""
@@ -113,8 +168,22 @@ class DenseModel:
         out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
         return out.transpose(1, 2).reshape(T, n * d) @ wo
 
-    def loss(self, x_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-        """Cross entropy of the output head's logits with the target tokens (fp32)."""
+    def loss(self, x_TH: torch.Tensor, targets_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what this rank's backward starts from, the mean cross entropy over its own
+        tokens) of the output head's logits with the target tokens, fp32.
+
+        Without tensor parallelism both are the mean over the rank's tokens. Tensor
+        parallel: the group's gathered states, each rank the logits of its vocabulary
+        shard (``VocabParallelCrossEntropy``), every member then knows every group
+        token's loss; each starts its backward from the sum of the group's per-rank means,
+        because the others' losses depend on its shard too and their backward reaches
+        only theirs - so the gradients are those of the ranks' means summed, as without."""
         head = self.embedding.t() if self.head is None else self.head
-        logits = rms_norm(x_TH) @ head
-        return F.cross_entropy(logits.float(), targets_T)
+        tp = self.tp
+        if tp is None:
+            loss = F.cross_entropy((rms_norm(x_TH) @ head).float(), targets_T)
+            return loss, loss
+        logits = tp.gather(rms_norm(x_TH)) @ head
+        losses = VocabParallelCrossEntropy.apply(logits, self._targets, self.vocab_lo, tp.comm, tp.members, tp.group)
+        T = x_TH.shape[0]
+        return losses.sum() / T, losses[tp.index * T:(tp.index + 1) * T].mean()

@@ -135,7 +135,8 @@ class GradientSync:
         if self.plan.cache is not None:
             st.groups.apply(self.plan.cache)
         for k, op in enumerate(self.plan.dense_sync_ops):
-            self.bucket_left[k] = {p for layer in Planner.bucket_layers(op) for p in st.layer_params(layer)}
+            if st.rank in op.members:  # tensor parallel: one shard's bucket per peer group
+                self.bucket_left[k] = set(self._bucket_params(op))
         st.clock.switch(previous)
 
     def _gather_previous(self, everything: bool = False) -> None:
@@ -174,14 +175,25 @@ class GradientSync:
             self.synced[inst] = out[:st.scenario.model.expert_params]
         self.gathering = []
 
+    def _bucket_params(self, op) -> list[torch.Tensor]:
+        """The weights whose gradients bucket ``op`` sums, last layer first (``Planner.bucket_part``)."""
+        st, part = self.st, Planner.bucket_part(op)
+        out = []
+        for layer in reversed(Planner.bucket_layers(op)):
+            if part in ("all", "routers"):
+                out += list(st.router[layer])
+            if part in ("all", "dense") and st.dense is not None:
+                out += st.dense.layer_params(layer)
+        return out
+
     def _issue_bucket(self, k: int) -> None:
         """The all-reduce of router-gradient bucket ``k`` (``plan.dense_sync_ops[k]``), once."""
-        if k in self.issued_buckets:
-            return
-        self.issued_buckets.add(k)
         st = self.st
         op = self.plan.dense_sync_ops[k]
-        params = [p for layer in reversed(Planner.bucket_layers(op)) for p in st.layer_params(layer)]
+        if k in self.issued_buckets or st.rank not in op.members:
+            return
+        self.issued_buckets.add(k)
+        params = self._bucket_params(op)
         # one buffer per dtype (fp32 routers beside 16-bit dense weights): the bucket's bytes
         for dtype in dict.fromkeys(p.grad.dtype for p in params):
             same = [p for p in params if p.grad.dtype == dtype]

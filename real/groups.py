@@ -48,6 +48,8 @@ class Groups:
         self.fixed: dict[tuple[int, ...], object] = {self.world: dist.group.WORLD}
         wanted = [tuple(sorted(lay.ep_group(g))) for g in range(lay.replicas)]
         wanted += [tuple(sorted(lay.replica_group(j))) for j in range(lay.ep_size)]
+        if planner.s.parallelism.tp_size > 1 and planner.s.transformer.enabled:  # tensor parallelism
+            wanted += planner.tp_groups() + planner.tp_peer_groups()
         for grid in planner.grids or []:
             wanted += [tuple(int(r) for r in row) for row in grid]
             wanted += [tuple(int(r) for r in grid[:, c]) for c in range(grid.shape[1])]

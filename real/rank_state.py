@@ -24,7 +24,7 @@ import torch
 from real.clock import StageClock
 from real.adam import MixedAdam
 from real.comm import Comm, PayloadCodec
-from real.dense_model import DenseModel
+from real.dense_model import DenseModel, TensorGroup
 from real.experts import ExpertTimer, grouped_supported
 from real.groups import Groups
 from real.layer import seed_of
@@ -99,7 +99,7 @@ class RankState:
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
         # the whole transformer's dense weights (issue 13) and the optimizer's state
-        self.dense = DenseModel(s, self.dtype, self.device) if s.transformer.enabled else None
+        self.dense = DenseModel(s, self.dtype, self.device, self._tensor_group()) if s.transformer.enabled else None
         self.adam = MixedAdam(s) if s.transformer.enabled and s.transformer.optimizer == "adam" else None
         for layer in range(m.num_layers):
             for p in self.layer_params(layer):  # a bucket's all-reduce goes once its gradients are in
@@ -131,6 +131,13 @@ class RankState:
         self.page_moves = 0
         self.moves_by_reason: dict[str, int] = {}
         self.stall_s = 0.0
+
+    def _tensor_group(self) -> TensorGroup | None:
+        """This rank's tensor-parallel group (``parallelism.tp_size`` > 1), else None."""
+        if self.scenario.parallelism.tp_size == 1:
+            return None
+        (members,) = [g for g in self.planner.tp_groups() if self.rank in g]
+        return TensorGroup(len(members), members.index(self.rank), members, self.groups.get(members), self.comm)
 
     def layer_params(self, layer: int) -> list[torch.Tensor]:
         """The weights besides experts whose gradients MoE layer ``layer``'s gradient

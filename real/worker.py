@@ -122,7 +122,7 @@ class RankRunner:
         dense = st.dense  # the whole transformer's (issue 13): embedding, blocks, head
         if dense is not None:
             st.clock.switch("dense")
-            h = dense.embed(x_TH)
+            h = dense.embed(x_TH, y_TH)
         else:
             # the first MoE layer's input stands for the output of earlier layers: it needs a
             # gradient, so the first layer's dispatch backward runs like every other's
@@ -153,13 +153,13 @@ class RankRunner:
         if dense is not None:  # the output head and the loss; their backward comes first
             st.clock.switch("dense")
             with meter:
-                task_loss = dense.loss(h, y_TH)
+                objective, task_loss = dense.loss(h, y_TH)
             first_backward = "dense_backward"
         else:
             first_backward = "combine_backward"
             st.clock.switch(first_backward)
-            task_loss = torch.mean((h.float() - y_TH) ** 2)
-        loss = task_loss + aux_total
+            task_loss = objective = torch.mean((h.float() - y_TH) ** 2)
+        loss = objective + aux_total
         if s.overlap.sync_with_backward:  # M22: issued from the backward as gradients complete
             sync = GradientSync(self, kept, during_backward=True)
             st.clock.switch(first_backward)

@@ -105,12 +105,15 @@ class ClusterSim:
 
     def _fixed_groups(self) -> np.ndarray:
         """Communicators every rank holds from the start: world, EP group, replica group,
-        and the node / column groups of the hierarchical all-to-all."""
+        the node / column groups of the hierarchical all-to-all, and with tensor
+        parallelism its group and its shard's peers."""
         lay = self.layout
         n = np.full(lay.world, 1 + (lay.ep_size > 1) + (lay.replicas > 1))
         for grid in self.builder_grids():
             a, b = grid.shape
             n[grid.reshape(-1)] += (b > 1) + (a > 1)
+        if self.s.parallelism.tp_size > 1 and self.s.transformer.enabled:
+            n += 2  # its tensor-parallel group and the group of its shard's peers
         return n
 
     def builder_grids(self):

@@ -21,7 +21,10 @@ its own tokens between blocks. So per GPU the FLOPs and the activations stay tho
 its own tokens (t x the tokens over 1/t of the weights; Korthikanti et al.'s eq. 5),
 the weights and their gradients shrink to 1/t, and each attention and dense FFN adds an
 all-gather of the group's tokens before it and a reduce-scatter after it (forward; the
-backward mirrors them: ``Planner.tp_ops``). The dense gradients are summed over the
+backward mirrors them: ``Planner.tp_ops``); the vocabulary-split embedding and output
+head add theirs (``Planner.tp_embedding_ops``, ``tp_head_ops``: the group's token ids
+gathered and the partial embeddings reduce-scattered; the last hidden states gathered
+and the cross entropy's three all-reduces). The dense gradients are summed over the
 GPUs with the same tensor-parallel index (``Planner.dense_sync_ops``). No pipeline
 parallelism yet.
 """

@@ -82,7 +82,8 @@ class LayerForward:
     # pager.prefetch_ahead (M14): the next layer's predicted-first pages, loaded while this
     # layer computes (its experts pinned); run after this layer's own copies, beside it
     prefetch_moves: MovesByRank = field(default_factory=MovesByRank)
-    # the whole transformer's tensor parallelism in the layer's block, in order (Planner.tp_ops)
+    # the whole transformer's tensor parallelism in the layer's block (with layer 0 the
+    # embedding's, with the last the output head's), in order (Planner.dense_tp_ops)
     dense_ops: list[list[CollectiveOp]] = field(default_factory=list)
 
     @property
@@ -96,7 +97,7 @@ class LayerBackward:
     combine_backward_ops: list[CollectiveOp]
     dispatch_backward_ops: list[CollectiveOp]
     page_moves: MovesByRank  # per paged rank: reloads before the experts' backward
-    dense_ops: list[list[CollectiveOp]] = field(default_factory=list)  # the block's tensor parallelism
+    dense_ops: list[list[CollectiveOp]] = field(default_factory=list)  # Planner.dense_tp_ops, backward
 
 
 @dataclass
@@ -222,7 +223,7 @@ class Controller:
             dispatch_ops=p.token_ops("dispatch", layer, kept),
             combine_ops=p.token_ops("combine", layer, kept),
             page_moves=MovesByRank(),
-            dense_ops=p.tp_ops(layer, backward=False),
+            dense_ops=p.dense_tp_ops(layer, backward=False),
         )
         deferred = self._apply_deferred(fwd) if layer == 0 and self._deferred is not None else None
 
@@ -308,7 +309,7 @@ class Controller:
         return LayerBackward(layer,
                              self.planner.token_ops("combine_backward", layer, kept),
                              self.planner.token_ops("dispatch_backward", layer, kept),
-                             self._access(layer), dense_ops=self.planner.tp_ops(layer, backward=True))
+                             self._access(layer), dense_ops=self.planner.dense_tp_ops(layer, backward=True))
 
     def active_groups(self, layer: int) -> list[tuple[int, ...]]:
         """A_e for every expert of ``layer``: sorted ranks of replicas that hold a gradient."""

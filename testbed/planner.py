@@ -293,6 +293,65 @@ class Planner:
                                          label=f"tensor parallel, {part} {k}") for g in self.tp_groups()])
         return out
 
+    def dense_tp_ops(self, layer: int, backward: bool) -> list[list[CollectiveOp]]:
+        """Every tensor-parallel collective of MoE layer ``layer``'s dense work: its
+        block's (``tp_ops``), with layer 0 the embedding's and with the last layer the
+        output head's (forward: the embedding's first, the head's last; backward the
+        other way round)."""
+        out = self.tp_ops(layer, backward)
+        last = layer == self.s.model.num_layers - 1
+        if layer == 0:
+            out = out + self.tp_embedding_ops(backward) if backward else self.tp_embedding_ops(backward) + out
+        if last:
+            out = self.tp_head_ops(backward) + out if backward else out + self.tp_head_ops(backward)
+        return out
+
+    def tp_embedding_ops(self, backward: bool) -> list[list[CollectiveOp]]:
+        """Tensor parallelism of the vocabulary-split embedding (``real.tensor_parallel``),
+        one list of concurrent ops (one per group) each, in the order they run. Forward
+        (layer 0's ``dense``): the group's token ids and targets (int64) all-gathered,
+        then the partial embeddings (t x T x H) reduce-scattered; backward (its
+        ``dense_backward``): the gradients of each rank's rows (T x H) all-gathered."""
+        if not self._tp():
+            return []
+        t_rows = self.s.workload.tokens_per_rank
+        rows = t_rows * self.s.model.hidden_size * self.s.model.dtype_bytes
+        parts = ([("all_gather", rows)] if backward else
+                 [("all_gather", t_rows * 2 * 8), ("reduce_scatter", self.s.parallelism.tp_size * rows)])
+        return self._tp_batches(parts, 0, backward, "embedding")
+
+    def tp_head_ops(self, backward: bool) -> list[list[CollectiveOp]]:
+        """Tensor parallelism of the vocabulary-split output head and its cross entropy:
+        forward (the last layer's ``dense``) the group's last hidden states (T x H)
+        all-gathered, then three all-reduces of one fp32 per token of the group (largest
+        logit, sum of exponentials, target logit); backward the gradients of the
+        gathered states reduce-scattered (t x T x H)."""
+        if not self._tp():
+            return []
+        tp, t_rows = self.s.parallelism.tp_size, self.s.workload.tokens_per_rank
+        rows = t_rows * self.s.model.hidden_size * self.s.model.dtype_bytes
+        parts = ([("reduce_scatter", tp * rows)] if backward else
+                 [("all_gather", rows)] + [("all_reduce", tp * t_rows * 4)] * 3)
+        return self._tp_batches(parts, self.s.model.num_layers - 1, backward, "output head")
+
+    def _tp(self) -> bool:
+        return self.s.parallelism.tp_size > 1 and self.s.transformer.enabled
+
+    def _tp_batches(self, parts, layer: int, backward: bool, what: str) -> list[list[CollectiveOp]]:
+        stage = "dense_backward" if backward else "dense"
+        return [[CollectiveOp(kind, g, stage, layer, size=size, batch=k, label=f"tensor parallel, {what}")
+                 for g in self.tp_groups()] for k, (kind, size) in enumerate(parts)]
+
+    @staticmethod
+    def bucket_part(op: CollectiveOp) -> str:
+        """What a ``dense_sync_ops`` op carries of its layers' weights: ``routers`` (tensor
+        parallel: over all ranks), ``dense`` (tensor parallel: one shard's, over its peer
+        group) or ``all`` (routers and dense weights over all ranks; the MoE stack's router
+        buckets are ``routers``: it has no dense weights)."""
+        if "tensor-parallel shard" in op.label:
+            return "dense"
+        return "routers" if op.label.startswith("router gradients") else "all"
+
     @staticmethod
     def bucket_layers(op: CollectiveOp) -> range:
         """The layers whose router gradients a ``dense_sync_ops`` op carries."""

@@ -59,7 +59,7 @@ class TransformerConfig:
     every layer, ``moe_every - 1`` dense-FFN layers before each MoE layer, the embedding
     and output head, and the optimizer's state. Off: the MoE layer stack alone, plain SGD."""
 
-    enabled: bool = doc("model the whole transformer (the real backend: data x expert parallelism, no tensor parallelism or ZeRO)", False)
+    enabled: bool = doc("model the whole transformer (the real backend: data x expert x tensor parallelism; no pipeline, ZeRO or recompute)", False)
     num_heads: int = doc("attention query heads (model.hidden_size must be a multiple)", 8, check=positive)
     num_kv_heads: int = doc("attention key/value heads, grouped-query attention (a divisor of num_heads); 0 = num_heads", 0, check=non_negative)
     seq_len: int = doc("tokens per sequence, which attention spans (workload.tokens_per_rank must be a multiple)", 256, check=positive)

@@ -111,13 +111,38 @@ def test_killed_whole_model_run_resumes_bit_identically(tmp_path):
             assert torch.equal(w, cb["final_experts"][inst]), inst
 
 
-@pytest.mark.parametrize("section, values, field", [
-    ("parallelism", {"tp_size": 2}, "parallelism.tp_size"),
-    ("transformer", {"zero_stage": 1}, "transformer.zero_stage"),
-    ("transformer", {"recompute": "full"}, "transformer.recompute"),
-    ("transformer", {"optimizer_state_bytes": 16}, "transformer.optimizer_state_bytes"),
+@pytest.mark.parametrize("over, field", [
+    ({"parallelism": {"pp_size": 2}, "pager": {"enabled": False}}, "parallelism.pp_size"),
+    ({"transformer": {"micro_batches": 2}, "pager": {"enabled": False}}, "transformer.micro_batches"),
+    ({"transformer": {"zero_stage": 1}}, "transformer.zero_stage"),
+    ({"transformer": {"recompute": "full"}}, "transformer.recompute"),
+    ({"transformer": {"optimizer_state_bytes": 16}}, "transformer.optimizer_state_bytes"),
 ])
-def test_what_only_the_simulator_models_is_refused(tmp_path, section, values, field):
+def test_what_only_the_simulator_models_is_refused(tmp_path, over, field):
+    s = scenario(tmp_path, **over)  # a valid scenario: the simulator runs it
     with pytest.raises(ScenarioError) as err:
-        RealBackend().check(scenario(tmp_path, **{section: values}))
+        RealBackend().check(s)
     assert field in str(err.value)
+
+
+def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path):
+    """TP = 2 (groups {0, 1} and {2, 3}, each a node) with sequence parallelism and a
+    split vocabulary: the same losses as TP = 1 (to float rounding), and its replay moves
+    the same bytes per stage and level - the tensor-parallel all-gathers and
+    reduce-scatters of every sublayer, the embedding and the head, and the dense
+    gradients summed per shard over its peers - and holds the same memory."""
+    base = scenario(tmp_path, run={"steps": 3}, real={"check_weights": False}, pager={"enabled": False})
+    whole = run_scenario(base, "real")
+    tp = base.replace(parallelism={"tp_size": 2})
+    split = run_scenario(tp, "real")
+    assert split["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-5)
+    assert split["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-5)
+    replay = run_scenario(tp.replace(workload={"trace": split["run_dir"]}), "sim")
+    assert split["bytes_by_stage"] == replay["bytes_by_stage"]
+    assert split["bytes_by_level"] == replay["bytes_by_level"]
+    assert split["bytes_by_stage"]["dense"] > 0 and whole["bytes_by_stage"]["dense"] == 0
+    assert split["bytes_by_stage"]["dense_sync"] < whole["bytes_by_stage"]["dense_sync"]  # shards over 2 peers
+    got, model = split["memory_breakdown_bytes"], replay["memory_breakdown_bytes"]
+    for part in ("expert_pages", "parameters", "gradients", "optimizer_state"):
+        assert got[part] == model[part] > 0, part
+    assert got["parameters"] < whole["memory_breakdown_bytes"]["parameters"]

@@ -139,8 +139,15 @@ def test_tensor_parallelism_splits_the_dense_weights_and_adds_its_collectives():
     rows = T * H * 2
     per_part = 2 * rows + 2 * rows  # all-gather and reduce-scatter in a pair
     dense_bytes = 2 * 3 * 4 * per_part  # 2 layers x 3 parts x 4 pairs
+    # the split vocabulary (Planner.tp_embedding_ops, tp_head_ops), per pair: forward the token
+    # ids and targets gathered (2 x T x 16), the partial embeddings reduce-scattered and the last
+    # hidden states gathered (2 x rows each), three all-reduces of 2 T fp32 (ring of 2: each
+    # sends all of it); backward the embedding's gradient gathered and the head's scattered
+    forward_vocab = 4 * (2 * T * 16 + 2 * rows + 2 * rows + 3 * 2 * (2 * T * 4))
+    backward_vocab = 4 * (2 * rows + 2 * rows)
     got = summarize(two.records, 1)["bytes_by_stage"]
-    assert got["dense"] == got["dense_backward"] == dense_bytes
+    assert got["dense"] == dense_bytes + forward_vocab
+    assert got["dense_backward"] == dense_bytes + backward_vocab
     assert summarize(one.records, 1)["bytes_by_stage"]["dense"] == 0
     s = scenario()
     shards = sum(block_grad_bytes(s, layer) for layer in range(2)) / 2  # each GPU's half
