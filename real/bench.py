@@ -124,6 +124,11 @@ def ffn_seconds(tokens: int, hidden: int, ffn: int, reps: int = 5) -> float:
         y = torch.nn.functional.gelu(x @ w1) @ w2
         y.sum().backward()
 
+    return median_seconds(once, reps)
+
+
+def median_seconds(once, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``once`` after one warm-up call."""
     once()
     out = []
     for _ in range(reps):
@@ -143,13 +148,7 @@ def attention_seconds(tokens: int, seq_len: int, hidden: int, heads: int, reps: 
     def once():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    once()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        once()
-        out.append(time.perf_counter() - t0)
-    return float(np.median(out))
+    return median_seconds(once, reps)
 
 
 def _calibration_work(rank: int, world: int, report, reps: int, shape: tuple[int, int, int], loopback: bool) -> dict:

@@ -399,42 +399,34 @@ class PagedExpertStore:
         on the host, which needs their gradient there: that copy is real and its bytes
         (the pager's ``update`` rows) are returned.
         """
-        self.wait_for(instance)
-        self._host_ready(instance)
-        shipped = 0
-        for page in self._pages[instance]:
-            _, start, n = self._page_range(page)
-            g = grad_flat[start:start + n]
-            if self.loc[page] == GPU:
-                w = self._slot_tensor(int(self.slot_of[page]))[:n]
-                w.copy_(w - lr * g)
-                self.modified[page] = True
-            elif self.loc[page] == HOST:
-                staged = g.to("cpu", copy=True)  # the gradient crosses PCIe to the host
-                shipped += staged.numel() * self.elem
-                w = self._host_view(page)
-                w.copy_(w - lr * staged)
-                self.modified[page] = True
-        return shipped
+        return self._rewrite(instance, grad_flat, lambda w, g: w - lr * g)
 
     def write(self, instance: int, flat: torch.Tensor) -> int:
         """New weights of ``instance`` (Adam's, ``real.adam``), written where each page
         lives; pages on the host receive theirs over PCIe, as ``update``'s gradients do
         (the same bytes, returned)."""
+        return self._rewrite(instance, flat, lambda w, x: x)
+
+    def _rewrite(self, instance: int, source: torch.Tensor, new) -> int:
+        """Every page of ``instance`` becomes ``new(its values, its part of source)`` where
+        it lives; a page on the host gets its part of ``source`` over PCIe first. Returns
+        the bytes that crossed."""
         self.wait_for(instance)
         self._host_ready(instance)
         shipped = 0
         for page in self._pages[instance]:
             _, start, n = self._page_range(page)
-            part = flat[start:start + n]
+            part = source[start:start + n]
             if self.loc[page] == GPU:
-                self._slot_tensor(int(self.slot_of[page]))[:n].copy_(part)
-                self.modified[page] = True
+                w = self._slot_tensor(int(self.slot_of[page]))[:n]
             elif self.loc[page] == HOST:
-                staged = part.to("cpu", copy=True)
-                shipped += staged.numel() * self.elem
-                self._host_view(page).copy_(staged)
-                self.modified[page] = True
+                part = part.to("cpu", copy=True)
+                shipped += part.numel() * self.elem
+                w = self._host_view(page)
+            else:
+                continue
+            w.copy_(new(w, part))
+            self.modified[page] = True
         return shipped
 
     @property
