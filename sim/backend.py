@@ -284,6 +284,7 @@ class SimBackend:
         }
         if pipe is not None:  # one stage's micro-batches: not a trace of the whole scenario's steps
             extra["pipeline"] = records[-1].extra["pipeline"] if records else {}
+            extra.update(utilization_by_level={}, hottest_links=[])  # the stage's one micro-batch (sim.pipeline_run)
             return RunResult(whole, records, trace, None, extra)
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
         return RunResult(s, records, trace, routing_trace, extra)

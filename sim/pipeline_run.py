@@ -28,7 +28,8 @@ holds as many micro-batches' activations as the schedule keeps in flight on stag
 (``in_flight / v`` of the stage's). Left out: differences between stages other than
 the head (the embedding's weights are counted on every stage), stages' traffic sharing
 links with each other, and the sends' own bytes in the byte counts (they are in
-``extra["pipeline"]``).
+``extra["pipeline"]``). The network counters (wire bytes, link utilisation, hottest
+links) saw one stage's micro-batch, so a pipelined run reports none.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class PipelinedStep:
         once_levels = once.level_dict()
         record.bytes_by_level = {lvl: p * (once_levels.get(lvl, 0) + m * (b - once_levels.get(lvl, 0)))
                                  for lvl, b in record.bytes_by_level.items()}
+        record.wire_bytes_by_level = None  # the stage's network counters saw one micro-batch
         extra_micro = float(sched.in_flight[0]) / v - 1.0  # micro-batches' activations held besides the one simulated
         record.peak_memory_bytes = int(record.peak_memory_bytes + max(extra_micro, 0.0) * activation_bytes)
         record.extra["pipeline"] = {

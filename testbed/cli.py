@@ -238,7 +238,8 @@ def format_summary(s: dict) -> str:
         f"run        {s['run_dir']}  ({s['backend']}, {s['steps']} steps, {s['measured_steps']} measured)",
         f"step time  {ms(s['step_time_s'])} (median)",
         *([f"throughput {s['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU"
-           + (f", MFU {100 * s['mfu']:.1f}% of the profile's peak (the MoE stack's FLOPs)" if s.get("mfu") else "")]
+           + (f", MFU {100 * s['mfu']:.1f}% of the profile's peak (the {s.get('flops_of') or 'MoE stack'}'s FLOPs)"
+              if s.get("mfu") else "")]
           if s.get("tokens_per_s_per_gpu") else []),
         f"sources    profile {s.get('profile', '?')} ({'calibrated on this machine' if s.get('profile_calibrated_here') else 'not calibrated on this machine'}), routing: {s.get('routing_source', '?')}",
         f"stages     {stages}",
@@ -249,6 +250,15 @@ def format_summary(s: dict) -> str:
         f"paging     {s['page_moves_per_step']:.1f} page moves per step",
         f"cache      {'n/a (no cached groups)' if hit is None else f'{100 * hit:.1f}% hit rate'}",
     ]
+    if s.get("memory_breakdown_bytes"):
+        parts = " | ".join(f"{k} {format_bytes(v)}" for k, v in s["memory_breakdown_bytes"].items() if v > 0)
+        lines.append(f"memory by  {parts}  (the fullest rank, each part at its most)")
+    if s.get("pipeline"):
+        p = s["pipeline"]
+        lines.append(f"pipeline   {p['stages']} stages x {p['chunks']} chunks, {p['micro_batches']} micro-batches: "
+                     f"bubble {100 * p['bubble_fraction']:.1f}% of the step on the idlest stage, sends "
+                     f"of {ms(max(p['send_s']))} each, {format_bytes(p['send_bytes_per_gpu'])} per GPU a step, stage 0 "
+                     f"holds {p['in_flight'][0]} in flight")
     if s.get("loss_first") is not None:
         lines.append(f"loss       {s['loss_first']:.4f} -> {s['loss_last']:.4f}")
     if s.get("wire_bytes_by_level"):

@@ -106,7 +106,7 @@ def throughput(scenario, records: list[StepRecord], step_time_s: float | None, p
     s, m = scenario, scenario.model
     measured = [r for r in records if r.step >= s.run.warmup_steps] or records
     if not measured or not step_time_s:
-        return {"tokens_per_s_per_gpu": None, "model_flops_per_step": None, "mfu": None}
+        return {"tokens_per_s_per_gpu": None, "model_flops_per_step": None, "flops_of": None, "mfu": None}
     # tokens of a step: every GPU of a pipeline stage brings its own (all of them without pipelining)
     tokens = s.world_size // s.parallelism.pp_size * s.workload.tokens_per_rank
     if s.transformer.enabled:  # the whole model's FLOPs, every token through its top-k experts (no recompute)
@@ -115,7 +115,7 @@ def throughput(scenario, records: list[StepRecord], step_time_s: float | None, p
         kept = sum(r.routed_slots - r.dropped_slots for r in measured) / len(measured)
         flops = moe_stack_step_flops(m.hidden_size, m.ffn_hidden_size, m.num_experts, m.num_layers, tokens, kept)
     return {"tokens_per_s_per_gpu": tokens / s.world_size / step_time_s,
-            "model_flops_per_step": flops,
+            "model_flops_per_step": flops, "flops_of": "whole model" if s.transformer.enabled else "MoE stack",
             "mfu": mfu(flops, step_time_s, s.world_size, peak_flops) if peak_flops else None}
 
 

@@ -98,3 +98,14 @@ def test_bad_pipelines_are_refused(tmp_path, over, field):
     with pytest.raises(ScenarioError) as err:
         scenario(tmp_path, **over)
     assert field in str(err.value)
+
+
+def test_the_summary_shows_the_pipeline_and_no_stage_counters(tmp_path):
+    """The network counters saw one stage's micro-batch: a pipelined run reports none."""
+    from testbed.cli import format_summary
+
+    out = run_scenario(scenario(tmp_path, pp=2, micro=4), "sim")
+    text = format_summary(out)
+    assert "pipeline   2 stages x 1 chunks, 4 micro-batches" in text and "per GPU a step" in text
+    assert out["wire_bytes_by_level"] is None and not out["utilization_by_level"]
+    assert out["pipeline"]["send_bytes_per_gpu"] == 2 * 4 * (2048 * 1024 * 2) / 2  # 4 each way per boundary
