@@ -133,7 +133,8 @@ def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path):
     gradients summed per shard over its peers - and holds the same memory."""
     base = scenario(tmp_path, run={"steps": 3}, real={"check_weights": False}, pager={"enabled": False})
     whole = run_scenario(base, "real")
-    tp = base.replace(parallelism={"tp_size": 2})
+    # with the gradient sync issued from the backward (M22): the shards' buckets as they fill
+    tp = base.replace(parallelism={"tp_size": 2}, overlap={"sync_with_backward": True})
     split = run_scenario(tp, "real")
     assert split["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-5)
     assert split["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-5)
