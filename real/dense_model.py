@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from real.comm import AllGather, ReduceScatter
 from real.layer import seed_of
-from real.tensor_parallel import VocabParallelCrossEntropy, shard
+from real.tensor_parallel import (EnterShard, FromReplicated, SumPartials, ToReplicated,
+                                  VocabParallelCrossEntropy, shard)
 from testbed.scenario import Scenario
 from testbed.whole_model import shape_of
 
@@ -47,6 +48,8 @@ class TensorGroup:
     group: object
     comm: object
 
+    sequence_parallel: bool = True
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of ``x``, in member order (backward: a reduce-scatter)."""
         return AllGather.apply(x.contiguous(), self.comm, self.members, self.group)
@@ -54,6 +57,19 @@ class TensorGroup:
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group of ``x``, this rank's rows of it (backward: an all-gather)."""
         return ReduceScatter.apply(x.contiguous(), self.comm, self.members, self.group)
+
+    # without sequence parallelism (real.tensor_parallel)
+    def replicate(self, x: torch.Tensor) -> torch.Tensor:
+        return ToReplicated.apply(x, self.comm, self.members, self.group, self.index)
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        return FromReplicated.apply(x, self.comm, self.members, self.group, self.index)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return EnterShard.apply(x, self.comm, self.members, self.group)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return SumPartials.apply(x, self.comm, self.members, self.group)
 
 
 def _init(shape: tuple[int, int], seed: int, dtype, device, tp: TensorGroup | None = None,
@@ -137,10 +153,22 @@ class DenseModel:
         local = ids - self.vocab_lo
         mine = (local >= 0) & (local < self.embedding.shape[0])
         rows = self.embedding.index_select(0, local.clamp(0, self.embedding.shape[0] - 1))
-        return tp.scatter(rows * mine[:, None].to(rows.dtype))
+        partial = rows * mine[:, None].to(rows.dtype)
+        # sequence parallel: each rank's own rows; else the group's, replicated (layer 0's block takes them so)
+        return tp.scatter(partial) if tp.sequence_parallel else tp.sum(partial)
 
     def block(self, layer: int, x_TH: torch.Tensor) -> torch.Tensor:
-        """MoE layer ``layer``'s block: its attentions and the dense FFNs between them."""
+        """MoE layer ``layer``'s block: its attentions and the dense FFNs between them, on
+        this rank's own rows in and out. Tensor parallel without sequence parallelism: on
+        the group's rows, replicated (from the embedding as they are, from an MoE layer
+        gathered), this rank's own handed to its MoE layer."""
+        tp = self.tp
+        if tp is not None and not tp.sequence_parallel:
+            x_rep = x_TH if layer == 0 else tp.replicate(x_TH)
+            return tp.own(self._layers(layer, x_rep))
+        return self._layers(layer, x_TH)
+
+    def _layers(self, layer: int, x_TH: torch.Tensor) -> torch.Tensor:
         for j, qkvo in enumerate(self.attention[layer]):
             x_TH = x_TH + self._sublayer(x_TH, lambda y: self._attention(y, *qkvo))
             if j < len(self.ffn[layer]):
@@ -152,9 +180,12 @@ class DenseModel:
         """``fn`` on the normalised input; tensor parallel: on the group's tokens (gathered),
         its partial outputs summed back to this rank's own."""
         y = rms_norm(x_TH)
-        if self.tp is None:
+        tp = self.tp
+        if tp is None:
             return fn(y)
-        return self.tp.scatter(fn(self.tp.gather(y)))
+        if not tp.sequence_parallel:  # x_TH holds the group's rows already
+            return tp.sum(fn(tp.enter(y)))
+        return tp.scatter(fn(tp.gather(y)))
 
     def _attention(self, x_TH, wq, wk, wv, wo) -> torch.Tensor:
         """Causal attention within each sequence of ``seq_len`` consecutive tokens."""
@@ -183,7 +214,10 @@ class DenseModel:
         if tp is None:
             loss = F.cross_entropy((rms_norm(x_TH) @ head).float(), targets_T)
             return loss, loss
-        logits = tp.gather(rms_norm(x_TH)) @ head
+        if tp.sequence_parallel:
+            logits = tp.gather(rms_norm(x_TH)) @ head
+        else:  # the group's rows replicated, then into this rank's vocabulary shard
+            logits = tp.enter(rms_norm(tp.replicate(x_TH))) @ head
         losses = VocabParallelCrossEntropy.apply(logits, self._targets, self.vocab_lo, tp.comm, tp.members, tp.group)
         T = x_TH.shape[0]
         return losses.sum() / T, losses[tp.index * T:(tp.index + 1) * T].mean()

@@ -137,7 +137,8 @@ class RankState:
         if self.scenario.parallelism.tp_size == 1:
             return None
         (members,) = [g for g in self.planner.tp_groups() if self.rank in g]
-        return TensorGroup(len(members), members.index(self.rank), members, self.groups.get(members), self.comm)
+        return TensorGroup(len(members), members.index(self.rank), members, self.groups.get(members), self.comm,
+                           self.scenario.parallelism.sequence_parallel)
 
     def layer_params(self, layer: int) -> list[torch.Tensor]:
         """The weights besides experts whose gradients MoE layer ``layer``'s gradient

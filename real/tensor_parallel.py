@@ -6,7 +6,7 @@ The t ranks of a tensor-parallel group (``Planner.tp_groups``: consecutive ranks
 node) each keep their own tokens between sublayers, as the MoE layers see them. Around
 every attention and dense FFN the group all-gathers its tokens, each rank computes its
 1/t of the heads (or FFN columns) on all of them, and a reduce-scatter sums the partial
-outputs and hands each rank its own rows back (``Planner.tp_ops``). The vocabulary is
+outputs and hands each rank its own rows back. The vocabulary is
 split too: each rank holds 1/t of the embedding's rows and of the output head's columns.
 
 - Embedding: the group's token ids (and targets) are all-gathered, each rank looks up the
@@ -21,8 +21,12 @@ split too: each rank holds 1/t of the embedding's rows and of the output head's 
   (``DenseModel.loss``). The cross entropy's backward needs no communication; the
   all-gather's backward is a reduce-scatter.
 
-``Planner.tp_embedding_ops`` and ``Planner.tp_head_ops`` plan these collectives; the
-simulator times them.
+Without sequence parallelism (``parallelism.sequence_parallel = false``) the group's
+rows are replicated on every member inside the blocks (Megatron's f and g: ``EnterShard``
+before a sharded layer, ``SumPartials`` after it), gathered from the MoE layers' own
+rows (``ToReplicated``) and handed back to them (``FromReplicated``).
+
+``testbed.tensor_parallel_ops`` plans these collectives; the simulator times them.
 """
 
 from __future__ import annotations
@@ -66,3 +70,66 @@ def shard(full: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
     """Part ``index`` of ``parts`` equal slices of ``full`` along ``dim``, as its own tensor."""
     size = full.shape[dim] // parts
     return full.narrow(dim, index * size, size).contiguous()
+
+
+class ToReplicated(torch.autograd.Function):
+    """Each member's own rows [T, ...] into the group's rows [t T, ...] on every member
+    (an all-gather); backward: the replicated gradient is the true one, so each member
+    keeps its own rows of it (no communication). Without sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, x, comm, members, group, index: int):
+        ctx.rows, ctx.index = x.shape[0], index
+        return comm.all_gather(x.contiguous(), members, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.index * ctx.rows:(ctx.index + 1) * ctx.rows].contiguous(), None, None, None, None
+
+
+class FromReplicated(torch.autograd.Function):
+    """This member's own rows of the group's replicated rows (no communication);
+    backward: every member's gradient of its own rows, gathered into the replicated one."""
+
+    @staticmethod
+    def forward(ctx, x, comm, members, group, index: int):
+        ctx.args = (comm, members, group)
+        rows = x.shape[0] // len(members)
+        return x[index * rows:(index + 1) * rows].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, members, group = ctx.args
+        return comm.all_gather(grad.contiguous(), members, group), None, None, None, None
+
+
+class SumPartials(torch.autograd.Function):
+    """Megatron's g: the members' partial outputs summed (an all-reduce); backward: the
+    gradient as it is (every member holds all of it)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, members, group):
+        out = x.contiguous().clone()
+        comm.all_reduce(out, members, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class EnterShard(torch.autograd.Function):
+    """Megatron's f: replicated rows into this member's shard of a layer (no
+    communication); backward: the members' partial input gradients summed (an all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, members, group):
+        ctx.args = (comm, members, group)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, members, group = ctx.args
+        out = grad.contiguous().clone()
+        comm.all_reduce(out, members, group)
+        return out, None, None, None

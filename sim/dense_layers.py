@@ -15,18 +15,16 @@ tokens (sequences of ``transformer.seq_len``):
   (Korthikanti et al.; flash attention keeps no scores), scaled from 16-bit to the
   model's dtype; with full recompute only each layer's input.
 
-Tensor parallelism (``parallelism.tp_size`` t) with sequence parallelism, over t GPUs
-of a node: each holds 1/t of the heads, the dense FFNs' columns and the vocabulary, and
-its own tokens between blocks. So per GPU the FLOPs and the activations stay those of
-its own tokens (t x the tokens over 1/t of the weights; Korthikanti et al.'s eq. 5),
-the weights and their gradients shrink to 1/t, and each attention and dense FFN adds an
-all-gather of the group's tokens before it and a reduce-scatter after it (forward; the
-backward mirrors them: ``Planner.tp_ops``); the vocabulary-split embedding and output
-head add theirs (``Planner.tp_embedding_ops``, ``tp_head_ops``: the group's token ids
-gathered and the partial embeddings reduce-scattered; the last hidden states gathered
-and the cross entropy's three all-reduces). The dense gradients are summed over the
-GPUs with the same tensor-parallel index (``Planner.dense_sync_ops``). No pipeline
-parallelism yet.
+Tensor parallelism (``parallelism.tp_size`` t) over t GPUs of a node: each holds 1/t
+of the heads, the dense FFNs' columns and the vocabulary. Per GPU the FLOPs stay those
+of its own tokens (t x the tokens over 1/t of the weights) and the weights and their
+gradients shrink to 1/t. With sequence parallelism each keeps its own tokens between
+sublayers, so its activations are those of its own tokens (Korthikanti et al.'s eq. 5);
+without it the group's tokens are replicated inside the blocks (eq. 4 on the group's
+sequences: 10 s b H whole, 24 s b H / t). The collectives are
+``testbed.tensor_parallel_ops``'s, chained after the block's compute (not overlapped).
+The dense gradients are summed over the GPUs with the same tensor-parallel index
+(``Planner.dense_sync_ops``). Pipeline parallelism is ``sim.pipeline_run``'s.
 """
 
 from __future__ import annotations
@@ -54,8 +52,14 @@ class DenseLayers:
         recompute = t.recompute == "full"
         #: backward seconds of one block (with full recompute, its forward again)
         self.block_backward_s = 2.0 * self.block_forward_s + (self.block_forward_s if recompute else 0.0)
-        per_layer = activation_bytes_per_layer(t.seq_len, tokens // t.seq_len, h, t.num_heads,
-                                               recompute=recompute, flash=True) * m.dtype_bytes / 2.0
+        p = s.parallelism
+        if p.tp_size > 1 and not p.sequence_parallel:  # the group's sequences, replicated in the blocks
+            per_layer = activation_bytes_per_layer(t.seq_len, p.tp_size * tokens // t.seq_len, h, t.num_heads,
+                                                   tp=p.tp_size, recompute=recompute, flash=True)
+        else:  # sequence parallel (Korthikanti's eq. 5 on the group's tokens: each GPU's own), or no TP
+            per_layer = activation_bytes_per_layer(t.seq_len, tokens // t.seq_len, h, t.num_heads,
+                                                   recompute=recompute, flash=True)
+        per_layer *= m.dtype_bytes / 2.0
         #: activation bytes one block keeps from its forward to its backward
         self.block_activation_bytes = t.moe_every * per_layer
         #: the output head's forward (the embedding is a lookup) and backward seconds

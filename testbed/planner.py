@@ -63,6 +63,7 @@ import numpy as np
 
 from testbed.collectives import CollectiveOp
 from testbed.scenario import Scenario
+from testbed.tensor_parallel_ops import TensorParallelOps
 from testbed.topology import Layout
 from testbed.whole_model import block_grad_bytes
 
@@ -88,6 +89,7 @@ class Planner:
         self.strategy = scenario.comm.token_strategy
         self.grids = ([self.layout.node_grid(g) for g in range(self.layout.replicas)]
                       if self.strategy == "hierarchical" else None)
+        self._tensor_parallel: TensorParallelOps | None = None
 
     # ---- route ----------------------------------------------------------------------------
     def route_ops(self, layer: int) -> list[CollectiveOp]:
@@ -263,6 +265,12 @@ class Planner:
                     for i, group in enumerate(self.tp_peer_groups())]
         return ops
 
+    @property
+    def tensor_parallel(self) -> TensorParallelOps:
+        if self._tensor_parallel is None:
+            self._tensor_parallel = TensorParallelOps(self.s, self.tp_groups())
+        return self._tensor_parallel
+
     def tp_groups(self) -> list[tuple[int, ...]]:
         """The tensor-parallel groups: ``parallelism.tp_size`` consecutive ranks of a node."""
         tp = self.s.parallelism.tp_size
@@ -273,74 +281,11 @@ class Planner:
         tp = self.s.parallelism.tp_size
         return [tuple(range(i, self.layout.world, tp)) for i in range(tp)]
 
-    def tp_ops(self, layer: int, backward: bool) -> list[list[CollectiveOp]]:
-        """Tensor parallelism with sequence parallelism in MoE layer ``layer``'s block
-        (whole transformer, ``parallelism.tp_size`` > 1): around each attention and dense
-        FFN an all-gather of the group's tokens (each rank's T x H activations) before it
-        and a reduce-scatter of its output after it (t x T x H); the backward the other
-        way round. In the order they run: one list of concurrent ops (one per group) each."""
-        tp, t, m = self.s.parallelism.tp_size, self.s.transformer, self.s.model
-        if tp == 1 or not t.enabled:
-            return []
-        rows = self.s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes
-        parts = ["attention"] * t.moe_every + ["dense FFN"] * (t.moe_every - 1)
-        stage = "dense_backward" if backward else "dense"
-        out = []
-        for k, part in enumerate(parts):
-            pair = [("all_gather", rows), ("reduce_scatter", tp * rows)]
-            for kind, size in reversed(pair) if backward else pair:
-                out.append([CollectiveOp(kind, g, stage, layer, size=size, batch=len(out),
-                                         label=f"tensor parallel, {part} {k}") for g in self.tp_groups()])
-        return out
-
     def dense_tp_ops(self, layer: int, backward: bool) -> list[list[CollectiveOp]]:
-        """Every tensor-parallel collective of MoE layer ``layer``'s dense work: its
-        block's (``tp_ops``), with layer 0 the embedding's and with the last layer the
-        output head's (forward: the embedding's first, the head's last; backward the
-        other way round)."""
-        out = self.tp_ops(layer, backward)
-        last = layer == self.s.model.num_layers - 1
-        if layer == 0:
-            out = out + self.tp_embedding_ops(backward) if backward else self.tp_embedding_ops(backward) + out
-        if last:
-            out = self.tp_head_ops(backward) + out if backward else out + self.tp_head_ops(backward)
-        return out
-
-    def tp_embedding_ops(self, backward: bool) -> list[list[CollectiveOp]]:
-        """Tensor parallelism of the vocabulary-split embedding (``real.tensor_parallel``),
-        one list of concurrent ops (one per group) each, in the order they run. Forward
-        (layer 0's ``dense``): the group's token ids and targets (int64) all-gathered,
-        then the partial embeddings (t x T x H) reduce-scattered; backward (its
-        ``dense_backward``): the gradients of each rank's rows (T x H) all-gathered."""
-        if not self._tp():
-            return []
-        t_rows = self.s.workload.tokens_per_rank
-        rows = t_rows * self.s.model.hidden_size * self.s.model.dtype_bytes
-        parts = ([("all_gather", rows)] if backward else
-                 [("all_gather", t_rows * 2 * 8), ("reduce_scatter", self.s.parallelism.tp_size * rows)])
-        return self._tp_batches(parts, 0, backward, "embedding")
-
-    def tp_head_ops(self, backward: bool) -> list[list[CollectiveOp]]:
-        """Tensor parallelism of the vocabulary-split output head and its cross entropy:
-        forward (the last layer's ``dense``) the group's last hidden states (T x H)
-        all-gathered, then three all-reduces of one fp32 per token of the group (largest
-        logit, sum of exponentials, target logit); backward the gradients of the
-        gathered states reduce-scattered (t x T x H)."""
-        if not self._tp():
-            return []
-        tp, t_rows = self.s.parallelism.tp_size, self.s.workload.tokens_per_rank
-        rows = t_rows * self.s.model.hidden_size * self.s.model.dtype_bytes
-        parts = ([("reduce_scatter", tp * rows)] if backward else
-                 [("all_gather", rows)] + [("all_reduce", tp * t_rows * 4)] * 3)
-        return self._tp_batches(parts, self.s.model.num_layers - 1, backward, "output head")
-
-    def _tp(self) -> bool:
-        return self.s.parallelism.tp_size > 1 and self.s.transformer.enabled
-
-    def _tp_batches(self, parts, layer: int, backward: bool, what: str) -> list[list[CollectiveOp]]:
-        stage = "dense_backward" if backward else "dense"
-        return [[CollectiveOp(kind, g, stage, layer, size=size, batch=k, label=f"tensor parallel, {what}")
-                 for g in self.tp_groups()] for k, (kind, size) in enumerate(parts)]
+        """The tensor-parallel collectives of MoE layer ``layer``'s dense work, in order
+        (``testbed.tensor_parallel_ops``: its block's, with layer 0 the embedding's, with
+        the last layer the output head's)."""
+        return self.tensor_parallel.dense(layer, backward)
 
     @staticmethod
     def bucket_part(op: CollectiveOp) -> str:

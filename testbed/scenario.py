@@ -113,7 +113,8 @@ class ParallelismConfig:
     placement_seed: int = doc("seed of the random placement", 0)
     pp_size: int = doc("pipeline stages of the whole transformer (transformer.enabled; simulator only): consecutive blocks of cluster.gpus / pp_size GPUs, each with model.num_layers / pp_size MoE layers (and their blocks), scheduled 1F1B over transformer.micro_batches", 1, check=positive)
     pp_chunks: int = doc("model chunks per pipeline stage: 1 = plain 1F1B, more = Megatron's interleaved schedule (transformer.micro_batches a multiple of pp_size)", 1, check=positive)
-    tp_size: int = doc("tensor parallelism of the whole transformer's dense layers (transformer.enabled), over consecutive GPUs of a node, with sequence parallelism: each GPU holds 1/tp of the attention heads, dense-FFN columns and vocabulary and its own tokens between them (the MoE layers see each GPU's own tokens); 1 = none", 1, check=positive)
+    tp_size: int = doc("tensor parallelism of the whole transformer's dense layers (transformer.enabled), over consecutive GPUs of a node: each GPU holds 1/tp of the attention heads, dense-FFN columns and vocabulary (the MoE layers see each GPU's own tokens); 1 = none", 1, check=positive)
+    sequence_parallel: bool = doc("with tp_size > 1: each GPU keeps only its own tokens between sublayers (all-gather before, reduce-scatter after each); false = the group's tokens replicated inside the blocks (an all-reduce after each, gathers around the MoE layers)", True)
 
 
 @dataclass

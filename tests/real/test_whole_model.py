@@ -125,16 +125,18 @@ def test_what_only_the_simulator_models_is_refused(tmp_path, over, field):
     assert field in str(err.value)
 
 
-def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path):
-    """TP = 2 (groups {0, 1} and {2, 3}, each a node) with sequence parallelism and a
-    split vocabulary: the same losses as TP = 1 (to float rounding), and its replay moves
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path, sequence_parallel):
+    """TP = 2 (groups {0, 1} and {2, 3}, each a node) with or without sequence parallelism,
+    and a split vocabulary: the same losses as TP = 1 (to float rounding), and its replay moves
     the same bytes per stage and level - the tensor-parallel all-gathers and
     reduce-scatters of every sublayer, the embedding and the head, and the dense
     gradients summed per shard over its peers - and holds the same memory."""
     base = scenario(tmp_path, run={"steps": 3}, real={"check_weights": False}, pager={"enabled": False})
     whole = run_scenario(base, "real")
     # with the gradient sync issued from the backward (M22): the shards' buckets as they fill
-    tp = base.replace(parallelism={"tp_size": 2}, overlap={"sync_with_backward": True})
+    tp = base.replace(parallelism={"tp_size": 2, "sequence_parallel": sequence_parallel},
+                      overlap={"sync_with_backward": True})
     split = run_scenario(tp, "real")
     assert split["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-5)
     assert split["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-5)

@@ -161,3 +161,25 @@ def test_tensor_parallelism_is_checked():
         scenario().replace(parallelism={"tp_size": 4})
     with pytest.raises(ScenarioError, match="transformer.num_kv_heads"):
         scenario(num_kv_heads=1).replace(parallelism={"tp_size": 2})
+
+
+def test_without_sequence_parallelism_the_blocks_hold_the_groups_tokens():
+    """tp 2 without sequence parallelism: a block keeps 10 s b H whole and 24 s b H / 2
+    for the pair's sequences (Korthikanti et al. eq. 4; with it 34 s b H / 2: eq. 5), in
+    bf16 as is. Its collectives: an all-reduce per sublayer (the bytes of an all-gather
+    and a reduce-scatter), and the MoE layers' rows gathered into the blocks (layer 1's
+    forward; both layers' input gradients backward) - more bytes than with it."""
+    from sim.dense_layers import DenseLayers
+
+    sp, no_sp = (scenario().replace(parallelism={"tp_size": 2, "sequence_parallel": on}) for on in (True, False))
+    compute = ComputeModel(load_profile(sp.cluster.profile), "bf16", sp.world_size)
+    a, b = DenseLayers(sp, compute), DenseLayers(no_sp, compute)
+    assert a.block_activation_bytes == 2 * T * H * 34  # 2 attention sublayers, each GPU's own tokens
+    assert b.block_activation_bytes == 2 * T * H * (10 * 2 + 24)  # the pair's 2 T tokens: 2 T H (10 + 24 / 2)
+    got = {on: summarize(SimBackend().run(s).records, 1)["bytes_by_stage"] for on, s in ((True, sp), (False, no_sp))}
+    rows, pairs = T * H * 2, 4
+    # forward: the embedding's sum as an all-reduce (each of a pair sends 2 rows, not 1) and layer 1's gather
+    assert got[False]["dense"] == got[True]["dense"] + pairs * (2 * rows) + pairs * (2 * rows)
+    # backward: no embedding gather, a head all-reduce for its reduce-scatter (+2 rows), 2 layers' input gathers
+    assert got[False]["dense_backward"] == got[True]["dense_backward"] - pairs * 2 * rows + pairs * 2 * rows \
+        + 2 * pairs * 2 * rows
