@@ -93,7 +93,7 @@ def c1(ledger: Ledger) -> Claim:
     c.verdict = CONDITIONAL if agrees else FAILS
     c.conditions = ("The baseline is the testbed's Megatron-style configuration (configs/megatron-baseline-1440.toml: "
                     "flat all-to-all, expert all-reduce, no paging, no heat map), not Megatron-LM; neither uses "
-                    "tensor or pipeline parallelism, which the testbed does not model yet."
+                    "tensor or pipeline parallelism (modelled, but left at 1 in both: the seed names neither)."
                     + (" With --quick the experts have 2 replicas instead of 45." if ledger.quick else ""))
     c.why = (f"Simulated step {paper['step_time_s']:.3f} s with the seed's system against "
              f"{baseline['step_time_s']:.3f} s for the baseline: x{speedup:.2f} (claimed 1.88x).")

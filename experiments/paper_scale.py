@@ -67,8 +67,8 @@ def figures(result, headline) -> list:
 EXPERIMENT = Experiment(
     name="paper_scale", question=__doc__.split("\n")[0], build=build, analyse=analyse, figures=figures,
     note="Both configurations are simulated with the a100-seed profile; their assumptions are stated in the two "
-         "config files. Tensor and pipeline parallelism are not modelled yet, so neither configuration uses "
-         "them, although Megatron-LM would. comm_share: the token stages and the gradient syncs over the step.",
+         "config files. Tensor and pipeline parallelism are modelled but left at 1 in both (the seed names "
+         "neither), although Megatron-LM would use them. comm_share: the token stages and the gradient syncs over the step.",
     columns=[("MFU", lambda p: f"{100 * v:.1f}%" if (v := figure(p, "sim", "mfu")) else "—"),
              ("peak GiB (where)", lambda p: f"{(figure(p, 'sim', 'peak_memory_bytes') or 0) / 2**30:.1f} "
                                             f"({figure(p, 'sim', 'peak_memory_at')})")])

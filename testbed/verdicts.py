@@ -92,7 +92,7 @@ def c1_check(speedup: float) -> bool:
 
 def c2_verdict(peak_paged: float, peak_unpaged: float) -> tuple[str, float]:
     """(verdict, reduction) for peak memory with and without paging. Agreeing numbers
-    still only hold under the testbed's conditions (no tensor or pipeline parallelism)."""
+    still only hold under the testbed's conditions (tensor and pipeline parallelism left at 1)."""
     reduction = 1 - peak_paged / peak_unpaged
     return (CONDITIONAL if close(reduction, 0.382, abs_tol=0.05) else FAILS), reduction
 

@@ -225,8 +225,8 @@ def block_grad_bytes(scenario, layer: int) -> int:
 def zero_shards(scenario) -> tuple[int, int, int, int]:
     """(dense state, expert state, dense gradient, expert gradient) shards of ZeRO
     (``transformer.zero_stage``): the ranks each is divided over. A dense parameter's
-    shard lives on every rank of its tensor-parallel index (world / tp ranks; no pipeline
-    parallelism yet), an expert on its replicas;
+    shard lives on every rank of its tensor-parallel index (world / tp ranks; with pipeline
+    parallelism those of one stage, the scenario ``sim.pipeline_run`` simulates), an expert on its replicas;
     stage 1 shards the optimizer state, stage 2 the gradients too."""
     stage, replicas = scenario.transformer.zero_stage, scenario.replicas
     world = scenario.world_size // scenario.parallelism.tp_size  # a dense parameter's data-parallel ranks
