@@ -1,6 +1,7 @@
 """Adam in mixed precision for the real backend's whole transformer (issue 13,
 ``transformer.optimizer = adam``; Kingma and Ba 2015, "Adam: a method for stochastic
-optimization", algorithm 1, no weight decay).
+optimization", algorithm 1; with ``transformer.adam_weight_decay`` AdamW's decoupled
+decay, Loshchilov and Hutter 2019).
 
 Per parameter it keeps an fp32 master copy of the weight and fp32 first and second
 moments: 12 bytes, ``transformer.optimizer_state_bytes``' default, which the simulator
@@ -26,6 +27,7 @@ class MixedAdam:
     def __init__(self, scenario: Scenario):
         t = scenario.transformer
         self.lr, self.beta1, self.beta2, self.eps = t.adam_learning_rate, t.adam_beta1, t.adam_beta2, t.adam_eps
+        self.weight_decay = t.adam_weight_decay  # AdamW's, decoupled from the gradient
         self.state: dict[object, dict] = {}  # key -> {"master", "m", "v", "t"}
 
     def add(self, key, weight: torch.Tensor) -> None:
@@ -42,6 +44,8 @@ class MixedAdam:
         st["v"].mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
         m_hat = st["m"] / (1.0 - self.beta1 ** st["t"])
         v_hat = st["v"] / (1.0 - self.beta2 ** st["t"])
+        if self.weight_decay:  # AdamW (Loshchilov and Hutter 2019): shrink the weight, then the Adam step
+            st["master"].mul_(1.0 - self.lr * self.weight_decay)
         st["master"].addcdiv_(m_hat, v_hat.sqrt_().add_(self.eps), value=-self.lr)
         return st["master"]
 

@@ -68,13 +68,14 @@ class TransformerConfig:
     vocab_size: int = doc("vocabulary: the input embedding and the output head (V x H each)", 32000, check=positive)
     tied_embeddings: bool = doc("the output head is the input embedding", False)
     recompute: str = doc("activation recompute: none, or full (each layer keeps its input and runs its forward again in the backward)", "none", choices=("none", "full"))
-    optimizer: str = doc("adam: mixed precision (weights and gradients in model.dtype, fp32 master weights and moments), or sgd (the MoE stack's)", "adam", choices=("adam", "sgd"))
+    optimizer: str = doc("adam: mixed precision (weights and gradients in model.dtype, fp32 master weights and moments; AdamW with adam_weight_decay), or sgd (the MoE stack's)", "adam", choices=("adam", "sgd"))
     optimizer_state_bytes: int = doc("adam: bytes of optimizer state per parameter (fp32 master, m, v: 12)", 12, check=positive)
     micro_batches: int = doc("micro-batches per step (workload.tokens_per_rank split evenly): the pipeline's (parallelism.pp_size), else gradient accumulation; the simulator runs each stage on one and times the step with the pipeline schedule", 1, check=positive)
     adam_learning_rate: float = doc("adam: learning rate (run.learning_rate is plain SGD's)", 1e-3, check=positive)
     adam_beta1: float = doc("adam: decay of the first moment", 0.9, check=between(0, 0.9999))
     adam_beta2: float = doc("adam: decay of the second moment", 0.95, check=between(0, 0.9999))
     adam_eps: float = doc("adam: added to the second moment's root", 1e-8, check=positive)
+    adam_weight_decay: float = doc("adam: decoupled weight decay per step (AdamW; 0 = Adam)", 0.0, check=non_negative)
     zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); the gradient sum moves the same bytes (reduce-scatter + all-gather as one all-reduce)", 0, check=between(0, 2))
 
     @property

@@ -75,15 +75,17 @@ def test_dense_stages_are_timed_and_the_model_learns(runs):
     assert real["mfu"] > 0 and real["tokens_per_s_per_gpu"] > 0
 
 
-def test_adam_matches_torch(tmp_path):
-    """MixedAdam's master weights follow torch.optim.Adam (no weight decay) step by step."""
-    s = scenario(tmp_path).replace(transformer={"adam_learning_rate": 0.01, "adam_beta2": 0.95})
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_adam_matches_torch(tmp_path, decay):
+    """MixedAdam's master weights follow torch.optim.AdamW (Adam without decay) step by step."""
+    s = scenario(tmp_path).replace(transformer={"adam_learning_rate": 0.01, "adam_beta2": 0.95,
+                                                "adam_weight_decay": decay})
     g = torch.Generator().manual_seed(3)
     w = torch.randn(50, generator=g)
     ours = MixedAdam(s)
     ours.add("w", w)
     ref = w.clone().requires_grad_()
-    opt = torch.optim.Adam([ref], lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW([ref], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=decay)
     for _ in range(5):
         grad = torch.randn(50, generator=g)
         new = ours.step("w", grad)
