@@ -37,11 +37,23 @@ def check_runnable(scenario: Scenario) -> None:
                             f"--backend sim models the others")
     t = s.transformer
     if t.enabled:  # the real whole transformer: data x expert x tensor parallelism, Adam or SGD (real.dense_model)
-        for name, value in (("parallelism.pp_size", s.parallelism.pp_size), ("parallelism.pp_chunks",
-                            s.parallelism.pp_chunks), ("transformer.micro_batches", t.micro_batches)):
+        for name, value in (("parallelism.pp_chunks", s.parallelism.pp_chunks),
+                            ("transformer.micro_batches", t.micro_batches)):
             if value > 1:
-                raise ScenarioError(name, value, "the real backend runs one micro-batch through every layer on "
-                                    "each rank (no pipeline); --backend sim models pipelines")
+                raise ScenarioError(name, value, "the real backend runs one micro-batch a step through its "
+                                    "pipeline stages, one model chunk each; --backend sim models more")
+        if s.parallelism.pp_size > 1:  # real.stage_link: stages of their own process groups
+            for name, value, why in (
+                    ("comm.expert_sync", s.comm.expert_sync if s.comm.expert_sync == "two_stage" else None,
+                     "its cached groups are made as each stage's routing asks, but every rank must make every group"),
+                    ("transformer.tied_embeddings", t.tied_embeddings or None, "the embedding is the first stage's, "
+                     "the head the last's"),
+                    ("checkpoint.enabled", s.checkpoint.enabled or None, "checkpoints of pipeline stages are not "
+                     "written"),
+                    ("real.network", "emulated" if s.real.network == "emulated" else None, "an emulated cluster "
+                     "carries one stage")):
+                if value is not None:
+                    raise ScenarioError(name, value, f"with parallelism.pp_size > 1 on the real backend: {why}")
         if t.zero_stage > 0:
             raise ScenarioError("transformer.zero_stage", t.zero_stage, "the real backend keeps the whole optimizer "
                                 "state on every rank (ZeRO 0); --backend sim models ZeRO")

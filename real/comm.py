@@ -62,8 +62,10 @@ class Comm:
     ``p2p_all_to_all``: run the all-to-all as sends and receives posted at once
     (``all_to_all_p2p``) instead of the library's call (see ``all_to_all``)."""
 
-    def __init__(self, rank: int, ledger: ByteLedger, stage_of, p2p_all_to_all: bool = False):
+    def __init__(self, rank: int, ledger: ByteLedger, stage_of, p2p_all_to_all: bool = False, global_rank=None):
         self.rank = rank
+        #: local rank -> the process group world's rank (pipeline stages number their ranks from 0)
+        self.global_rank = global_rank or (lambda r: r)
         self.ledger = ledger
         self.stage_of = stage_of  # () -> name of the stage the clock is in
         self.p2p_all_to_all = p2p_all_to_all
@@ -172,9 +174,9 @@ class Comm:
         for what, tensor, peer in ops:
             if what == "send":
                 self._count("p2p", (self.rank, peer), tensor.numel() * tensor.element_size())
-                p2p_ops.append(dist.P2POp(dist.isend, tensor, peer))
+                p2p_ops.append(dist.P2POp(dist.isend, tensor, self.global_rank(peer)))
             else:
-                p2p_ops.append(dist.P2POp(dist.irecv, tensor, peer))
+                p2p_ops.append(dist.P2POp(dist.irecv, tensor, self.global_rank(peer)))
         if p2p_ops:
             for work in dist.batch_isend_irecv(p2p_ops):
                 work.wait()

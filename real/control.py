@@ -44,7 +44,9 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
             by_level[k] = by_level.get(k, 0) + int(v)
     fullest = max(range(n), key=lambda r: gathered[r]["peak"])
     return StepRecord(
-        extra={"memory_breakdown_bytes": gathered[fullest]["memory"]} if "memory" in gathered[fullest] else {},
+        extra=dict({"memory_breakdown_bytes": gathered[fullest]["memory"]} if "memory" in gathered[fullest] else {},
+                   **({"pipeline_sent_bytes": sum(g["pipeline_sent_bytes"] for g in gathered)}
+                      if any(g.get("pipeline_sent_bytes") for g in gathered) else {})),
         step=step,
         step_time_s=max(g["step_time_s"] for g in gathered),
         stage_time_s={s: sum(g["stage_time_s"].get(s, 0.0) for g in gathered) / n for s in STAGES},
@@ -58,7 +60,8 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
         page_stall_s=sum(g["stall_s"] for g in gathered) / n,
         cache_hits=lead["cache_hits"],
         cache_lookups=lead["cache_lookups"],
-        loss=sum(g["loss"] for g in gathered) / n,
+        # pipeline stages: the last stage's ranks compute the loss
+        loss=(sum(losses) / len(losses)) if (losses := [g["loss"] for g in gathered if g["loss"] is not None]) else None,
         aux_loss=sum(g["aux"] for g in gathered) / n,
         expert_states=lead["states"],
         moves_by_reason=sum_counts([g["moves_by_reason"] for g in gathered]) or {},

@@ -91,9 +91,15 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 class DenseModel:
     """The dense weights of one rank and their forward (module doc)."""
 
-    def __init__(self, scenario: Scenario, dtype: torch.dtype, device: torch.device, tp: TensorGroup | None = None):
+    def __init__(self, scenario: Scenario, dtype: torch.dtype, device: torch.device, tp: TensorGroup | None = None,
+                 place=None):
         s, t, m = scenario, scenario.transformer, scenario.model
         self.s, self.shape, self.tp = s, shape_of(s), tp
+        # pipeline stages (testbed.pipeline_stages): the embedding on the first, the head on the last,
+        # and every weight seeded by its place in the whole model
+        first_layer, layers = (place.first_layer, place.layers) if place is not None else (0, m.num_layers)
+        self.has_embedding = place is None or place.first_stage
+        self.has_head = place is None or place.last_stage
         parts = tp.size if tp is not None else 1
         h, n, k, d = m.hidden_size, t.num_heads, t.kv_heads, m.hidden_size // t.num_heads
         # this rank's heads (all, or its 1/t of the query and of the key/value heads)
@@ -104,7 +110,7 @@ class DenseModel:
         self.vocab_lo = t.vocab_size // parts * (tp.index if tp is not None else 0)
 
         def w(shape, layer, sub, kind, split=None):
-            return _init(shape, seed_of(seed, layer, sub, kind, 0xD5), dtype, device, tp, split)
+            return _init(shape, seed_of(seed, first_layer + layer, sub, kind, 0xD5), dtype, device, tp, split)
 
         #: per MoE layer: [(wq, wk, wv, wo) per sublayer], [(w1, w2) per dense FFN]
         self.attention: list[list[tuple[torch.Tensor, ...]]] = []
@@ -115,10 +121,12 @@ class DenseModel:
                                    for j in range(t.moe_every)])
             self.ffn.append([(w((h, f), layer, j, 5, 1), w((f, h), layer, j, 6, 0)) for j in range(t.moe_every - 1)])
         #: [V, H] (or this rank's V / t rows); looked up by token, and the output head when tied
-        self.embedding = w((t.vocab_size, h), m.num_layers, 0, 7, 0)  # seeded past the layers
-        with torch.no_grad():  # embeddings of O(1) entries, as the MoE stack's inputs are
-            self.embedding.mul_(h ** 0.5)
-        self.head = None if t.tied_embeddings else w((h, t.vocab_size), m.num_layers, 0, 8, 1)
+        past = layers - first_layer  # seeded past the model's layers
+        self.embedding = w((t.vocab_size, h), past, 0, 7, 0) if self.has_embedding else None
+        if self.embedding is not None:
+            with torch.no_grad():  # embeddings of O(1) entries, as the MoE stack's inputs are
+                self.embedding.mul_(h ** 0.5)
+        self.head = None if t.tied_embeddings or not self.has_head else w((h, t.vocab_size), past, 0, 8, 1)
         self._targets = None  # tensor parallel: the group's targets, gathered with its token ids
 
     # ---- what the optimizer and the gradient sync see ---------------------------------------------
@@ -129,7 +137,7 @@ class DenseModel:
         out = [p for sub in self.attention[layer] for p in sub] + [p for sub in self.ffn[layer] for p in sub]
         if layer == len(self.attention) - 1 and self.head is not None:
             out.append(self.head)
-        if layer == 0:
+        if layer == 0 and self.embedding is not None:
             out.append(self.embedding)
         return out
 
@@ -164,7 +172,7 @@ class DenseModel:
         gathered), this rank's own handed to its MoE layer."""
         tp = self.tp
         if tp is not None and not tp.sequence_parallel:
-            x_rep = x_TH if layer == 0 else tp.replicate(x_TH)
+            x_rep = x_TH if layer == 0 and self.has_embedding else tp.replicate(x_TH)
             return tp.own(self._layers(layer, x_rep))
         return self._layers(layer, x_TH)
 
@@ -214,6 +222,8 @@ class DenseModel:
         if tp is None:
             loss = F.cross_entropy((rms_norm(x_TH) @ head).float(), targets_T)
             return loss, loss
+        if not self.has_embedding:  # a pipeline stage without the embedding: the group's targets here
+            self._targets = tp.comm.all_gather(targets_T.contiguous(), tp.members, tp.group)
         if tp.sequence_parallel:
             logits = tp.gather(rms_norm(x_TH)) @ head
         else:  # the group's rows replicated, then into this rank's vocabulary shard

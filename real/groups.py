@@ -40,12 +40,23 @@ def free_device_bytes(device: torch.device | None) -> int:
 
 
 class Groups:
-    def __init__(self, planner: Planner, device: torch.device | None = None):
+    """The process groups of one rank, by member set (the rank's scenario numbering).
+
+    With pipeline stages (``place``) each stage's ranks are numbered from 0 and its world
+    is a group of its own; every rank creates every stage's groups, in one order, as
+    ``torch.distributed.new_group`` needs of all ranks, and keeps its stage's."""
+
+    def __init__(self, planner: Planner, device: torch.device | None = None, place=None):
         self.eager = eager_device(device)
         self.device = device
+        self.place = place
         lay = planner.layout
         self.world = tuple(range(lay.world))
-        self.fixed: dict[tuple[int, ...], object] = {self.world: dist.group.WORLD}
+        self.fixed: dict[tuple[int, ...], object] = {}
+        if place is None:
+            self.fixed[self.world] = dist.group.WORLD
+        else:
+            self.fixed[self.world] = self._new(self.world)
         wanted = [tuple(sorted(lay.ep_group(g))) for g in range(lay.replicas)]
         wanted += [tuple(sorted(lay.replica_group(j))) for j in range(lay.ep_size)]
         if planner.s.parallelism.tp_size > 1 and planner.s.transformer.enabled:  # tensor parallelism
@@ -64,7 +75,13 @@ class Groups:
         self.created_bytes = 0  # device bytes their communicators took (CUDA; 0 on CPU)
 
     def _new(self, members: tuple[int, ...]):
-        return dist.new_group(list(members), **self.eager)
+        if self.place is None:
+            return dist.new_group(list(members), **self.eager)
+        mine = None
+        for stage in range(self.place.stages):  # every stage's copy, in stage order, on every rank
+            pg = dist.new_group([self.place.global_rank(m, stage) for m in members], **self.eager)
+            mine = pg if stage == self.place.stage else mine
+        return mine
 
     def get(self, members: tuple[int, ...], cached: bool = False):
         members = tuple(members)

@@ -63,7 +63,8 @@ class LayerRunner:
         clock.switch("route")
         w_EH, b_E = r.router[layer]
         routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
-                        noise_generator(s.run.seed, step, layer, r.rank, r.device), local_bias_E=r.local_bias_E)
+                        noise_generator(s.run.seed, step, layer + r.layer_offset, r.rank, r.device),
+                        local_bias_E=r.local_bias_E)
         probs_TK = mark(routing.probs_TK, clock, "route_backward")
         routed = self._exchange_counts(layer, routing.routed_E)
         clock.switch("paging")

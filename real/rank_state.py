@@ -33,6 +33,7 @@ from real.stacked_weights import StackedWeights, grouped_members, strided_rows
 from testbed.collectives import ByteLedger
 from testbed.controller import Controller
 from testbed.page_moves import PageMoves, add_reason_counts, page_move_count
+from testbed.pipeline_stages import StagePlace
 from testbed.router import init_router_params
 from testbed.scenario import Scenario
 from testbed.topology import Layout
@@ -61,6 +62,9 @@ class RankState:
     scenario: Scenario
     rank: int
     device: torch.device
+    #: pipeline parallelism (testbed.pipeline_stages): where this rank's stage sits; ``scenario``
+    #: and ``rank`` are then the stage's own
+    place: StagePlace | None = None
     layout: Layout = field(init=False)
 
     def __post_init__(self):
@@ -72,9 +76,13 @@ class RankState:
         self.origin = time.perf_counter()
         self.clock = StageClock(self.origin, cuda=self.device.type == "cuda")
         self.ledger = ByteLedger(self.layout)
+        place = self.place
+        #: the model's first layer in this rank's stage: seeds follow the model's layers and experts
+        self.layer_offset = place.first_layer if place is not None else 0
         self.comm = Comm(self.rank, self.ledger, lambda: self.clock.current or "route",
-                         p2p_all_to_all=s.real.network == "emulated")
-        self.groups = Groups(self.planner, self.device)
+                         p2p_all_to_all=s.real.network == "emulated",
+                         global_rank=place.global_rank if place is not None else None)
+        self.groups = Groups(self.planner, self.device, place)
         m = s.model
         self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None
         self.timer = ExpertTimer(self.device.type == "cuda") if s.heat.compute_source == "measured" else None
@@ -86,7 +94,7 @@ class RankState:
             self.local_bias_E = torch.as_tensor(local * s.router.local_bias, dtype=torch.float32, device=self.device)
         self.router = []
         for layer in range(m.num_layers):
-            w, b = initial_router(s.run.seed, layer, s)
+            w, b = initial_router(s.run.seed, layer + self.layer_offset, s)
             self.router.append((w.to(self.device).requires_grad_(), b.to(self.device).requires_grad_()))
         #: the step's ``real.gradient_sync.GradientSync`` while the backward runs, else None
         self.sync_hooks = None
@@ -99,12 +107,14 @@ class RankState:
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
         # the whole transformer's dense weights (issue 13) and the optimizer's state
-        self.dense = DenseModel(s, self.dtype, self.device, self._tensor_group()) if s.transformer.enabled else None
+        self.dense = (DenseModel(s, self.dtype, self.device, self._tensor_group(), place)
+                      if s.transformer.enabled else None)
         self.adam = MixedAdam(s) if s.transformer.enabled and s.transformer.optimizer == "adam" else None
         for layer in range(m.num_layers):
             for p in self.layer_params(layer):  # a bucket's all-reduce goes once its gradients are in
                 p.register_post_accumulate_grad_hook(self._router_grad_ready)
-        init = lambda i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
+        first = self.layer_offset * m.num_experts  # the model's instance number of this stage's first
+        init = lambda i: initial_expert_flat(s.run.seed, i + first, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
         self.store = None
         self.unpaged: dict[int, torch.Tensor] = {}
         if s.pager.enabled:

@@ -43,8 +43,10 @@ from real.probe import probe_answers
 from real.gradient_sync import GradientSync
 from real.rank_state import ActivationMeter, RankState
 from real.clock import mark
+from real.stage_link import StageLink
 from real.task import SyntheticTask, TokenTask
 from testbed.errors import RunError, ScenarioError
+from testbed.pipeline_stages import stage_place, stage_scenario
 from testbed.profile import load_profile
 
 from testbed.scenario import Scenario
@@ -54,10 +56,17 @@ class RankRunner:
     """The training loop of one rank."""
 
     def __init__(self, scenario: Scenario, rank: int, device: torch.device):
+        # pipeline parallelism (testbed.pipeline_stages): this rank runs its stage's scenario
+        self.place = stage_place(scenario, rank) if scenario.parallelism.pp_size > 1 else None
+        if self.place is not None:
+            scenario, rank = stage_scenario(scenario), self.place.local_rank
         self.s = scenario
-        self.st = RankState(scenario, rank, device)
+        self.st = RankState(scenario, rank, device, place=self.place)
+        self.pipe = StageLink(self.place, self.st) if self.place is not None else None
         self.layers = LayerRunner(self.st)
-        self.task = TokenTask(scenario) if scenario.transformer.enabled else SyntheticTask(scenario)
+        # pipeline stages: each rank of a stage is one data-parallel stream of the whole model's
+        data = scenario if self.place is None else scenario.replace(model={"num_layers": self.place.layers})
+        self.task = TokenTask(data) if scenario.transformer.enabled else SyntheticTask(data)
         self.world = scenario.world_size
         self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
         self.trace: list[dict] = []
@@ -120,7 +129,12 @@ class RankRunner:
         control.gate(step)
         t_start = st.clock.now()
         dense = st.dense  # the whole transformer's (issue 13): embedding, blocks, head
-        if dense is not None:
+        pipe = self.pipe  # pipeline stages: the activations come from the stage before
+        if pipe is not None:
+            pipe.sent_bytes = 0
+        if pipe is not None and not pipe.first:
+            h = pipe.receive_activations(x_TH.shape[0], s.model.hidden_size)
+        elif dense is not None:
             st.clock.switch("dense")
             h = dense.embed(x_TH, y_TH)
         else:
@@ -150,7 +164,11 @@ class RankRunner:
             if step == 0:
                 self.capture["output"] = h.detach().clone()
         resident = st.store.device_bytes if st.store else sum(t.numel() * t.element_size() for t in st.unpaged.values())
-        if dense is not None:  # the output head and the loss; their backward comes first
+        if pipe is not None and not pipe.last:  # on to the next stage; its gradient comes back
+            pipe.send_activations(h)
+            objective = task_loss = None
+            first_backward = "combine_backward"
+        elif dense is not None:  # the output head and the loss; their backward comes first
             st.clock.switch("dense")
             with meter:
                 objective, task_loss = dense.loss(h, y_TH)
@@ -159,15 +177,15 @@ class RankRunner:
             first_backward = "combine_backward"
             st.clock.switch(first_backward)
             task_loss = objective = torch.mean((h.float() - y_TH) ** 2)
-        loss = objective + aux_total
+        loss = aux_total if objective is None else objective + aux_total
         if s.overlap.sync_with_backward:  # M22: issued from the backward as gradients complete
             sync = GradientSync(self, kept, during_backward=True)
             st.clock.switch(first_backward)
-            (loss / self.world).backward()
+            self._backward(loss, h)
             self.sync_plan = sync.finish()
         else:
             st.clock.switch(first_backward)
-            (loss / self.world).backward()
+            self._backward(loss, h)
             sync = GradientSync(self, kept, during_backward=False)
             self.sync_plan = sync.after_backward()
         self.synced = sync.synced
@@ -207,16 +225,33 @@ class RankRunner:
             "frozen": None if frozen is None else frozen.get(st.rank, 0),
             "local_experts": len(st.controller.local_instances(st.rank)),
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
-            "loss": float(task_loss.detach()), "aux": float(aux_total.detach()),
+            "loss": None if task_loss is None else float(task_loss.detach()), "aux": float(aux_total.detach()),
             "routed": int(routed.sum()), "dropped": int(routed.sum() - kept.sum()),
             "discovery_s": self.discovery_s, "memory": memory,
+            "pipeline_sent_bytes": self.pipe.sent_bytes if self.pipe is not None else 0,
         }
         for name, t0, t1 in regions:
-            self.trace.append({"name": name, "ph": "X", "pid": st.rank, "tid": stream_of(name),
+            pid = st.rank if self.place is None else self.place.rank  # the trace's GPU: its global rank
+            self.trace.append({"name": name, "ph": "X", "pid": pid, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         self.routing.append(routed)
         states = heat.state_counts() if heat is not None else None
         control.publish(step, local, lead_fields(cache, states))
+
+    def _backward(self, loss: torch.Tensor, out: torch.Tensor) -> None:
+        """The step's backward from ``loss`` (over the ranks that share the step's tokens).
+        Pipeline stages: a stage before the last also starts from its output's gradient,
+        received from the next stage, and a stage after the first sends its input's
+        gradient back."""
+        pipe, scaled = self.pipe, loss / self.world
+        if pipe is not None and not pipe.last:
+            grad = pipe.receive_gradient(out)
+            self.st.clock.switch("combine_backward")
+            torch.autograd.backward([out, scaled], [grad, None])
+        else:
+            scaled.backward()
+        if pipe is not None and not pipe.first:
+            pipe.send_gradient()
 
     def _gradient_bytes(self) -> int:
         """Bytes of every gradient the backward made: the experts', routers' and dense weights'."""
@@ -360,17 +395,19 @@ class RankRunner:
             self.capture["weight_copy_bytes"] = st.weight_copy_bytes
             if st.store is not None:
                 self.capture["page_reads"] = st.store.page_reads.copy()  # [local pages], pager numbering
-        events = [None] * self.world if self.st.rank == 0 else None
+        lead, world = dist.get_rank() == 0, dist.get_world_size()  # every rank of every pipeline stage
+        events = [None] * world if lead else None
         dist.gather_object(self.trace, events, dst=0)
-        routing = [None] * self.world if self.st.rank == 0 else None
+        routing = [None] * world if lead else None
         dist.gather_object(self.routing, routing, dst=0)
-        captured = [None] * self.world if self.st.rank == 0 else None
+        captured = [None] * world if lead else None
         if self.capture is not None:
             dist.gather_object(self.capture, captured, dst=0)
-        if self.st.rank != 0:
+        if not lead:
             return {}
         trace = [e for per_rank in events for e in per_rank]
-        steps = len(self.routing)  # [S, L, W, E] from every rank's [L, E] per step
+        # [S, L, W, E] from every rank's [L, E] per step (pipeline stages: none, each holds its own layers)
+        steps = len(self.routing) if self.place is None else 0
         return {"trace": trace, "routing": np.stack([np.stack(r) for r in routing], axis=2) if steps else None,
                 "group_create_s": self.st.groups.created_s, "group_create_bytes": self.st.groups.created_bytes,
                 "first_step": self.first_step,

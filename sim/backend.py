@@ -23,6 +23,7 @@ from testbed.collectives import ByteLedger
 from testbed.controller import Controller
 from testbed.guards import network_mode
 from testbed.page_moves import add_reason_counts, page_move_count
+from testbed.pipeline_stages import pipelined, stage_scenario
 from testbed.profile import MachineProfile, load_profile
 from testbed.progress import Progress
 from testbed.results import StepRecord, frozen_fraction
@@ -38,7 +39,7 @@ from sim.cores import CorePool
 from sim.fabric import build_fabric
 from sim.faults import Faults
 from sim.memory_breakdown import memory_breakdown
-from sim.pipeline_run import PipelinedStep, pipelined, stage_scenario
+from sim.pipeline_run import PipelinedStep
 from testbed.whole_model import zero_shards
 from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions

@@ -6,8 +6,8 @@ MoE layers k L/p .. (k+1) L/p - 1 with their blocks, laid out inside its GPUs as
 scenario lays out the whole cluster without pipelining (EP groups, replicas, TP). A step
 runs m micro-batches of ``tokens_per_rank / m`` tokens through the stages:
 
-1. One stage is simulated as a scenario of its own (``stage_scenario``): its GPUs, its
-   layers, one micro-batch - the phases, network and compute of every other run. Its
+1. One stage is simulated as a scenario of its own (``testbed.pipeline_stages``): its
+   GPUs, its layers, one micro-batch - the phases, network and compute of every other run. Its
    timeline gives one micro-batch's forward and backward seconds on the stage's slowest
    GPU, and the tail after the backward (what the gradient sync leaves exposed, the
    optimizer). Every stage is taken to be that one, except that only the last computes
@@ -53,21 +53,6 @@ from testbed.scenario import Scenario
 MICRO_BATCH_STAGES = ("dense", "route", "dispatch", "experts", "combine", "combine_backward", "experts_backward",
                       "dispatch_backward", "route_backward", "dense_backward")
 BACKWARD_STAGES = ("combine_backward", "experts_backward", "dispatch_backward", "route_backward", "dense_backward")
-
-
-def pipelined(s: Scenario) -> bool:
-    return s.parallelism.pp_size > 1 or s.parallelism.pp_chunks > 1 or s.transformer.micro_batches > 1
-
-
-def stage_scenario(s: Scenario) -> Scenario:
-    """One pipeline stage as a scenario: its GPUs (1/p of the micro-clusters, or of the
-    nodes of one), its L/p layers, one micro-batch of tokens, no pipeline."""
-    p, c = s.parallelism.pp_size, s.cluster
-    cluster = ({"microclusters": c.microclusters // p} if c.microclusters % p == 0
-               else {"nodes_per_microcluster": c.nodes_per_microcluster // p})
-    return s.replace(cluster=cluster, model={"num_layers": s.model.num_layers // p},
-                     workload={"tokens_per_rank": s.workload.tokens_per_rank // s.transformer.micro_batches},
-                     parallelism={"pp_size": 1, "pp_chunks": 1}, transformer={"micro_batches": 1})
 
 
 def boundary_send_seconds(s: Scenario, profile) -> tuple[np.ndarray, float]:

@@ -59,7 +59,7 @@ class TransformerConfig:
     every layer, ``moe_every - 1`` dense-FFN layers before each MoE layer, the embedding
     and output head, and the optimizer's state. Off: the MoE layer stack alone, plain SGD."""
 
-    enabled: bool = doc("model the whole transformer (the real backend: data x expert x tensor parallelism; no pipeline, ZeRO or recompute)", False)
+    enabled: bool = doc("model the whole transformer (the real backend: data x expert x tensor x pipeline parallelism, one micro-batch; no ZeRO or recompute)", False)
     num_heads: int = doc("attention query heads (model.hidden_size must be a multiple)", 8, check=positive)
     num_kv_heads: int = doc("attention key/value heads, grouped-query attention (a divisor of num_heads); 0 = num_heads", 0, check=non_negative)
     seq_len: int = doc("tokens per sequence, which attention spans (workload.tokens_per_rank must be a multiple)", 256, check=positive)
@@ -112,7 +112,7 @@ class ParallelismConfig:
     ep_size: int = doc("GPUs per expert-parallel group; experts are sharded over it, tokens travel inside it", 4, check=positive)
     placement: str = doc("EP group -> rank mapping: topology (contiguous, M11), strided (ignores topology), random", "topology", choices=PLACEMENTS)
     placement_seed: int = doc("seed of the random placement", 0)
-    pp_size: int = doc("pipeline stages of the whole transformer (transformer.enabled; simulator only): consecutive blocks of cluster.gpus / pp_size GPUs, each with model.num_layers / pp_size MoE layers (and their blocks), scheduled 1F1B over transformer.micro_batches", 1, check=positive)
+    pp_size: int = doc("pipeline stages of the whole transformer (transformer.enabled): consecutive blocks of cluster.gpus / pp_size GPUs, each with model.num_layers / pp_size MoE layers (and their blocks), scheduled 1F1B over transformer.micro_batches (the real backend: one micro-batch)", 1, check=positive)
     pp_chunks: int = doc("model chunks per pipeline stage: 1 = plain 1F1B, more = Megatron's interleaved schedule (transformer.micro_batches a multiple of pp_size)", 1, check=positive)
     tp_size: int = doc("tensor parallelism of the whole transformer's dense layers (transformer.enabled), over consecutive GPUs of a node: each GPU holds 1/tp of the attention heads, dense-FFN columns and vocabulary (the MoE layers see each GPU's own tokens); 1 = none", 1, check=positive)
     sequence_parallel: bool = doc("with tp_size > 1: each GPU keeps only its own tokens between sublayers (all-gather before, reduce-scatter after each); false = the group's tokens replicated inside the blocks (an all-reduce after each, gathers around the MoE layers)", True)

@@ -40,7 +40,7 @@ def fake(monkeypatch):
 def bare_groups() -> groups_mod.Groups:
     g = groups_mod.Groups.__new__(groups_mod.Groups)  # no fixed groups: only the cache's
     g.fixed, g.cached, g._retiring, g._retired, g.created_s = {}, {}, {}, [], 0.0
-    g.eager, g.device, g.created_bytes = {}, None, 0
+    g.eager, g.device, g.created_bytes, g.place = {}, None, 0, None
     return g
 
 

@@ -4,7 +4,8 @@ with sends on the whole cluster's network."""
 
 import pytest
 
-from sim.pipeline_run import boundary_send_seconds, stage_scenario
+from sim.pipeline_run import boundary_send_seconds
+from testbed.pipeline_stages import stage_scenario
 from testbed.errors import ScenarioError
 from testbed.profile import load_profile
 from testbed.runner import run_scenario
