@@ -1,5 +1,13 @@
 """One rank of the real backend: builds its model and runs the training steps.
 
+With the whole transformer (``transformer.enabled``) each MoE layer is preceded by its
+block of attention and dense layers (``real.dense_model``: stage ``dense``, backward
+``dense_backward``), the first layer by the embedding and the last followed by the
+output head and its cross entropy, which replace the MoE stack's MSE loss; the optimizer
+is then Adam (``real.adam``) unless ``transformer.optimizer = sgd``. With pipeline stages
+(``parallelism.pp_size``) the rank runs its stage's scenario and its activations and
+their gradients pass between the stages (``real.stage_link``).
+
 Per step: every layer forward (``LayerRunner``), the loss (MSE to the task's targets
 plus the aux loss) and its backward, the active-group discovery (M10: an all-gather of
 every rank's bitmask of the experts it kept tokens for, all layers at once, which tells
