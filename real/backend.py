@@ -48,8 +48,6 @@ def check_runnable(scenario: Scenario) -> None:
                      "its cached groups are made as each stage's routing asks, but every rank must make every group"),
                     ("transformer.tied_embeddings", t.tied_embeddings or None, "the embedding is the first stage's, "
                      "the head the last's"),
-                    ("checkpoint.enabled", s.checkpoint.enabled or None, "checkpoints of pipeline stages are not "
-                     "written"),
                     ("real.network", "emulated" if s.real.network == "emulated" else None, "an emulated cluster "
                      "carries one stage")):
                 if value is not None:

@@ -66,6 +66,7 @@ class RankRunner:
     def __init__(self, scenario: Scenario, rank: int, device: torch.device):
         # pipeline parallelism (testbed.pipeline_stages): this rank runs its stage's scenario
         self.place = stage_place(scenario, rank) if scenario.parallelism.pp_size > 1 else None
+        self.global_rank = rank  # the process group's; pipeline stages number their own ranks from 0
         if self.place is not None:
             scenario, rank = stage_scenario(scenario), self.place.local_rank
         self.s = scenario
@@ -103,7 +104,7 @@ class RankRunner:
         s, st = self.s, self.st
         ckpt = None
         if s.checkpoint.enabled:
-            ckpt = Checkpointer(s, st.rank, checkpoint_dir(s, run_dir))
+            ckpt = Checkpointer(s, self.global_rank, checkpoint_dir(s, run_dir))  # a folder per global rank
         first = 0
         if resume is not None and resume is not False:
             if ckpt is None:
@@ -118,7 +119,7 @@ class RankRunner:
                 self.step(step, control)
             if ckpt is not None:
                 ckpt.after_step(step + 1, st, self.routing[-1])
-            if fail_at and fail_at["rank"] == st.rank and step + 1 >= fail_at["after_steps"]:
+            if fail_at and fail_at["rank"] == self.global_rank and step + 1 >= fail_at["after_steps"]:
                 os._exit(9)
         control.finish()
         profiler.finish()
@@ -239,8 +240,7 @@ class RankRunner:
             "pipeline_sent_bytes": self.pipe.sent_bytes if self.pipe is not None else 0,
         }
         for name, t0, t1 in regions:
-            pid = st.rank if self.place is None else self.place.rank  # the trace's GPU: its global rank
-            self.trace.append({"name": name, "ph": "X", "pid": pid, "tid": stream_of(name),
+            self.trace.append({"name": name, "ph": "X", "pid": self.global_rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         self.routing.append(routed)
         states = heat.state_counts() if heat is not None else None

@@ -191,3 +191,20 @@ def test_pipeline_stages_compute_what_one_stage_does(tmp_path):
     assert sim["bytes_by_stage"]["dispatch"] == pytest.approx(real_dispatch, rel=0.2)
     assert sim["pipeline"]["send_bytes_per_gpu"] == 64 * 32 * 4
     assert sim["pipeline"]["bubble_fraction"] >= 0.5
+
+
+def test_killed_pipeline_run_resumes_bit_identically(tmp_path):
+    """PP = 2: each rank of each stage checkpoints into its own folder (its global rank);
+    a run killed after 3 steps continues from the checkpoint at 2 as the run never stopped."""
+    s = scenario(tmp_path, parallelism={"pp_size": 2}, pager={"enabled": False}, comm={"expert_sync": "allreduce"},
+                 model={"num_layers": 4}, run={"steps": 4}, real={"check_weights": False},
+                 checkpoint={"enabled": True, "optimizer_interval": 2, "expert_interval": 2})
+    straight = RealBackend().run(s, run_dir=tmp_path / "straight", debug={"capture": True})
+    with pytest.raises(RunError, match="rank 3 died"):
+        RealBackend().run(s, run_dir=tmp_path / "killed", debug={"fail_at": {"rank": 3, "after_steps": 3}})
+    resumed = RealBackend().run(s, run_dir=tmp_path / "killed", resume=True, debug={"capture": True})
+    first = resumed.extra["resumed_from"]
+    assert first == 2
+    for a, b in zip(straight.records[first:], resumed.records, strict=True):
+        assert (a.step, a.loss, a.bytes_by_stage) == (b.step, b.loss, b.bytes_by_stage)
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == [f"rank{r}" for r in range(4)]
