@@ -362,28 +362,3 @@ def fp8_grad_scale(scenario: Scenario) -> float:
     a mean over tokens x hidden x ranks, so that is what the gradients are divided by."""
     n = scenario.workload.tokens_per_rank * scenario.model.hidden_size * scenario.world_size
     return float(2 ** round(math.log2(n)))
-
-
-class ActivationMeter:
-    """Bytes of tensors autograd saves for the backward during the forward (CPU memory
-    accounting: the activations a GPU would hold at the end of the forward)."""
-
-    def __init__(self, exclude: list[torch.Tensor] = ()):
-        self.peak_bytes = 0
-        # weights that a matmul saves are parameters, not activations
-        self._seen: set[int] = {t.untyped_storage().data_ptr() for t in exclude}
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        key = t.untyped_storage().data_ptr()
-        if key not in self._seen:
-            self._seen.add(key)
-            self.peak_bytes += t.untyped_storage().nbytes()
-        return t
-
-    def __enter__(self):
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)

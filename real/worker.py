@@ -49,7 +49,8 @@ from real.control import lead_fields
 from real.layer import LayerRunner, own_op
 from real.probe import probe_answers
 from real.gradient_sync import GradientSync
-from real.rank_state import ActivationMeter, RankState
+from real.memory_meter import ActivationMeter, gradient_bytes, memory_breakdown
+from real.rank_state import RankState
 from real.clock import mark
 from real.stage_link import StageLink
 from real.task import SyntheticTask, TokenTask
@@ -204,7 +205,7 @@ class RankRunner:
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
                                             for i in st.controller.local_instances(st.rank) if int(i) in updated}
             self.capture["router_grads"] = [(w.grad.clone(), b.grad.clone()) for w, b in st.router]
-        gradient_bytes = self._gradient_bytes()  # every gradient is in, until the optimizer step
+        held_grads = gradient_bytes(st)  # every gradient is in, until the optimizer step
         self._optimize()
         if self.capture is not None and step == 0:
             g = st.layout.group_of[st.rank]
@@ -218,7 +219,7 @@ class RankRunner:
         self._check_weights()
         st.clock.switch(None)
         step_time = st.clock.now() - t_start
-        memory = self._memory_breakdown(resident, meter.peak_bytes, gradient_bytes)
+        memory = memory_breakdown(st, resident, meter.peak_bytes, held_grads, self.communicator_bytes)
         grad_bytes = memory["gradients"]
         peak = (torch.cuda.max_memory_allocated(st.device) if st.device.type == "cuda"
                 else resident + meter.peak_bytes + grad_bytes + (memory["parameters"] + memory["optimizer_state"]
@@ -260,28 +261,6 @@ class RankRunner:
             scaled.backward()
         if pipe is not None and not pipe.first:
             pipe.send_gradient()
-
-    def _gradient_bytes(self) -> int:
-        """Bytes of every gradient the backward made: the experts', routers' and dense weights'."""
-        st = self.st
-        return (sum(g.numel() * g.element_size() for g in st.grads.values())
-                + sum(p.grad.numel() * p.grad.element_size() for p in st.dense_params() if p.grad is not None))
-
-    def _memory_breakdown(self, resident: int, activation_bytes: int, gradient_bytes: int) -> dict[str, float]:
-        """Bytes this rank held over the step by category, the simulator's
-        (``sim.memory_breakdown``), measured from the tensors themselves: the expert weights
-        on the device at the forward's end, the other weights, every gradient of the
-        backward (experts', routers', dense), the optimizer's state, what autograd saved
-        for the backward, the largest send + receive buffers of one collective, and the
-        communicators (the groups this rank is in, ``collectives.communicator_MiB`` each:
-        gloo and NCCL do not report theirs)."""
-        st = self.st
-        params = st.dense_params()
-        groups = sum(1 for members in st.groups.held() if st.rank in members)
-        return {"expert_pages": float(resident), "parameters": float(sum(p.numel() * p.element_size() for p in params)),
-                "gradients": float(gradient_bytes), "optimizer_state": float(st.adam.nbytes if st.adam is not None else 0),
-                "activations": float(activation_bytes), "comm_buffers": float(st.comm.largest_buffers),
-                "communicators": float(groups * self.communicator_bytes)}
 
     def _in_heat_stage(self, fn):
         """``fn`` timed as the heat stage, whichever stage the step is in when it runs (a
