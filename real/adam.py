@@ -14,6 +14,8 @@ that received no gradient this step keeps its moments and its count.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from testbed.scenario import Scenario
@@ -42,11 +44,12 @@ class MixedAdam:
         st["t"] += 1
         st["m"].mul_(self.beta1).add_(g, alpha=1.0 - self.beta1)
         st["v"].mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
-        m_hat = st["m"] / (1.0 - self.beta1 ** st["t"])
-        v_hat = st["v"] / (1.0 - self.beta2 ** st["t"])
+        # the bias corrections as scalars (torch.optim.Adam's form): one temporary, the denominator
+        corrected1, corrected2 = 1.0 - self.beta1 ** st["t"], 1.0 - self.beta2 ** st["t"]
+        denominator = st["v"].sqrt().div_(math.sqrt(corrected2)).add_(self.eps)
         if self.weight_decay:  # AdamW (Loshchilov and Hutter 2019): shrink the weight, then the Adam step
             st["master"].mul_(1.0 - self.lr * self.weight_decay)
-        st["master"].addcdiv_(m_hat, v_hat.sqrt_().add_(self.eps), value=-self.lr)
+        st["master"].addcdiv_(st["m"], denominator, value=-self.lr / corrected1)
         return st["master"]
 
     def reset_weight(self, key, weight: torch.Tensor) -> None:

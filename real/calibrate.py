@@ -60,6 +60,7 @@ from testbed.profile import (Algorithms, CopyFigures, Efficiency, LinkFigures, L
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
 from testbed.stages import STAGES, TOKEN_STAGES, stage_variant
+from testbed.whole_model import attention_core_flops
 
 QUICK_REPS, REPS = 3, 7
 TOKENS = (8, 32, 128, 512, 2048)
@@ -162,7 +163,7 @@ def _attention_curve(peak: float) -> list[list[float]]:
     hidden, heads, tokens = FFN_SHAPE[0], 4, 2048
     out = []
     for s in SEQ_LENS:
-        flops = 3 * 2.0 * 2.0 * s * hidden * 0.5 * tokens  # 2 x 2 s H per token, halved by the mask
+        flops = 3 * attention_core_flops(tokens, s, hidden)  # forward and backward (twice it)
         out.append([float(s), float(min(1.0, flops / attention_seconds(tokens, s, hidden, heads) / peak))])
     return out
 

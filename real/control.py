@@ -44,7 +44,7 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
             by_level[k] = by_level.get(k, 0) + int(v)
     fullest = max(range(n), key=lambda r: gathered[r]["peak"])
     return StepRecord(
-        extra=dict({"memory_breakdown_bytes": gathered[fullest]["memory"]} if "memory" in gathered[fullest] else {},
+        extra=dict({"memory_breakdown_bytes": gathered[fullest]["memory"]},
                    **({"pipeline_sent_bytes": sum(g["pipeline_sent_bytes"] for g in gathered)}
                       if any(g.get("pipeline_sent_bytes") for g in gathered) else {})),
         step=step,

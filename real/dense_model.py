@@ -144,10 +144,6 @@ class DenseModel:
     def params(self) -> list[torch.Tensor]:
         return [p for layer in range(len(self.attention)) for p in self.layer_params(layer)]
 
-    @property
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params())
-
     # ---- forward -----------------------------------------------------------------------------------
     def embed(self, tokens_T: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         """This rank's tokens' embeddings [T, H]. Tensor parallel: the group's ids (with

@@ -50,7 +50,8 @@ class GradientSync:
         self.reducing: list = []  # (stage, work, finish) of issued all-reduces, in issue order
         self.scattering: list = []  # (layer, [(op, shard, work)]) awaiting their all-gathers
         self.gathering: list = []  # (inst, out, work)
-        self.bucket_left: dict[int, set] = {}  # dense op index -> router parameters not yet accumulated
+        self.bucket_of: dict[int, int] = {}  # id of a weight -> the dense op index of its bucket
+        self.bucket_left: dict[int, int] = {}  # dense op index -> its weights not yet accumulated
         self.issued_buckets: set[int] = set()
         if during_backward:
             self.st.sync_hooks = self
@@ -100,14 +101,14 @@ class GradientSync:
             self.scattering.append((layer, scatters))
 
     def router_grad_ready(self, param: torch.Tensor) -> None:
-        """A router parameter's gradient was accumulated: issue its bucket once full."""
+        """A weight's gradient (a router's or a dense one) was accumulated: issue its bucket once full."""
         self._planned()
-        for k, left in self.bucket_left.items():
-            if any(p is param for p in left):
-                self.bucket_left[k] = {p for p in left if p is not param}
-                if not self.bucket_left[k]:
-                    self._issue_bucket(k)
-                return
+        k = self.bucket_of.get(id(param))
+        if k is None:  # a shard's weight whose bucket goes over another peer group
+            return
+        self.bucket_left[k] -= 1
+        if self.bucket_left[k] == 0:
+            self._issue_bucket(k)
 
     # ---- after the backward -------------------------------------------------------------------
     def finish(self):
@@ -136,7 +137,9 @@ class GradientSync:
             st.groups.apply(self.plan.cache)
         for k, op in enumerate(self.plan.dense_sync_ops):
             if st.rank in op.members:  # tensor parallel: one shard's bucket per peer group
-                self.bucket_left[k] = set(self._bucket_params(op))
+                params = self._bucket_params(op)
+                self.bucket_left[k] = len(params)
+                self.bucket_of.update((id(p), k) for p in params)
         st.clock.switch(previous)
 
     def _gather_previous(self, everything: bool = False) -> None:

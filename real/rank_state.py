@@ -106,6 +106,7 @@ class RankState:
         self.blocked_experts = 0  # expert forwards computed page by page (M14)
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
+        self._dense_params: list[torch.Tensor] | None = None
         # the whole transformer's dense weights (issue 13) and the optimizer's state
         self.dense = (DenseModel(s, self.dtype, self.device, self._tensor_group(), place)
                       if s.transformer.enabled else None)
@@ -134,7 +135,7 @@ class RankState:
             for k, p in enumerate(self.dense_params()):
                 self.adam.add(("dense", k), p)
             for i in self.controller.local_instances(self.rank):
-                self.adam.add(("expert", int(i)), init(int(i)))
+                self.adam.add(("expert", int(i)), init(int(i)).to(self.device))  # the state beside its weights
         self.modified: set[int] = set()  # unpaged instances changed since the last optimizer checkpoint
         self.grads: dict[int, torch.Tensor] = {}  # this step's expert weight gradients
         self.page_bytes = 0
@@ -157,8 +158,11 @@ class RankState:
         return list(self.router[layer]) + (self.dense.layer_params(layer) if self.dense is not None else [])
 
     def dense_params(self) -> list[torch.Tensor]:
-        """Every weight besides experts: routers and the whole transformer's dense ones."""
-        return [p for layer in range(self.scenario.model.num_layers) for p in self.layer_params(layer)]
+        """Every weight besides experts: routers and the whole transformer's dense ones
+        (the same tensors all run: checkpoints restore them in place)."""
+        if self._dense_params is None:
+            self._dense_params = [p for layer in range(self.scenario.model.num_layers) for p in self.layer_params(layer)]
+        return self._dense_params
 
     def free_memory(self) -> dict[int, tuple[float, float]] | None:
         """M15, ``pager.free_memory = device``: {rank: (bytes free on the device outside the
@@ -349,7 +353,7 @@ class RankState:
             if self.shadow is not None:
                 self.shadow[inst] = flat.clone()
             if self.store is None:
-                self.set_unpaged(inst, flat.clone())
+                self.set_unpaged(inst, flat)  # copied into its row
         self._incoming = incoming
 
     def take_incoming(self):

@@ -188,14 +188,13 @@ class RankRunner:
             st.clock.switch(first_backward)
             task_loss = objective = torch.mean((h.float() - y_TH) ** 2)
         loss = aux_total if objective is None else objective + aux_total
-        if s.overlap.sync_with_backward:  # M22: issued from the backward as gradients complete
-            sync = GradientSync(self, kept, during_backward=True)
-            st.clock.switch(first_backward)
-            self._backward(loss, h)
+        during = s.overlap.sync_with_backward  # M22: issued from the backward as gradients complete
+        sync = GradientSync(self, kept, during_backward=True) if during else None
+        st.clock.switch(first_backward)
+        self._backward(loss, h)
+        if during:
             self.sync_plan = sync.finish()
         else:
-            st.clock.switch(first_backward)
-            self._backward(loss, h)
             sync = GradientSync(self, kept, during_backward=False)
             self.sync_plan = sync.after_backward()
         self.synced = sync.synced

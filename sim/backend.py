@@ -228,8 +228,7 @@ class SimBackend:
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
             sim = ClusterSim(s, profile)
-            dense = sim.builder.dense
-            pipe = PipelinedStep(whole, profile, dense.head_forward_s, dense.head_backward_s) if s is not whole else None
+            pipe = PipelinedStep(whole, profile, sim.builder.dense) if s is not whole else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
             records, trace, routing, layer_times = [], [], [], []
@@ -241,16 +240,13 @@ class SimBackend:
                 routing.append(routed)
                 d, phases, tl, fig, faults, base = sim.step(step, routed, [r.step_time_s for r in records])
                 fullest = int(np.argmax(fig.peak_by_rank))
-                breakdown = memory_breakdown(sim, d, fullest)  # the last step's is reported
+                breakdown = memory_breakdown(sim, d, phases, fullest)  # the last step's is reported
                 peak_at = fig.peak_at
                 ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
                 record = _record(step, sim, d, fig, faults, ledger)
                 record.discovery_s = discovery_seconds(tl)
                 if pipe is not None:
-                    record = pipe.apply(record, phases, tl, breakdown["activations"],
-                                        d.sync.expert_sync_ops + d.sync.dense_sync_ops + d.heat_ops, sim.layout)
-                    held = record.extra["pipeline"]["in_flight"][0] / whole.parallelism.pp_chunks
-                    breakdown = dict(breakdown, activations=breakdown["activations"] * max(held, 1.0))
+                    record, breakdown = pipe.apply(record, breakdown, phases, tl, sim.layout)
                 records.append(record)
                 layer_times.append(fig.layer_time_s)
                 trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from sim.compute import ComputeModel
 from testbed.scenario import Scenario
-from testbed.whole_model import activation_bytes_per_layer, shape_of
+from testbed.whole_model import activation_bytes_per_layer, attention_core_flops, shape_of
 
 
 class DenseLayers:
@@ -45,7 +45,7 @@ class DenseLayers:
         self.shape = shape_of(s)
         tokens, h = s.workload.tokens_per_rank, m.hidden_size
         attention_gemms = compute.gemm_time(2.0 * tokens * self.shape.attention_params, tokens)
-        core = compute.gemm_time(2.0 * 2.0 * tokens * t.seq_len * h * 0.5, t.seq_len, kernel="attention")
+        core = compute.gemm_time(attention_core_flops(tokens, t.seq_len, h), t.seq_len, kernel="attention")
         ffn = compute.gemm_time(2.0 * tokens * self.shape.dense_ffn_params, tokens)
         #: forward seconds of one block: moe_every attentions, moe_every - 1 dense FFNs
         self.block_forward_s = t.moe_every * (attention_gemms + core) + (t.moe_every - 1) * ffn
@@ -53,13 +53,10 @@ class DenseLayers:
         #: backward seconds of one block (with full recompute, its forward again)
         self.block_backward_s = 2.0 * self.block_forward_s + (self.block_forward_s if recompute else 0.0)
         p = s.parallelism
-        if p.tp_size > 1 and not p.sequence_parallel:  # the group's sequences, replicated in the blocks
-            per_layer = activation_bytes_per_layer(t.seq_len, p.tp_size * tokens // t.seq_len, h, t.num_heads,
-                                                   tp=p.tp_size, recompute=recompute, flash=True)
-        else:  # sequence parallel (Korthikanti's eq. 5 on the group's tokens: each GPU's own), or no TP
-            per_layer = activation_bytes_per_layer(t.seq_len, tokens // t.seq_len, h, t.num_heads,
-                                                   recompute=recompute, flash=True)
-        per_layer *= m.dtype_bytes / 2.0
+        # Korthikanti's eq. 4 / 5 on the tensor-parallel group's sequences (each GPU's own tokens x tp)
+        per_layer = activation_bytes_per_layer(t.seq_len, p.tp_size * tokens // t.seq_len, h, t.num_heads,
+                                               tp=p.tp_size, sequence_parallel=p.sequence_parallel,
+                                               recompute=recompute, flash=True) * m.dtype_bytes / 2.0
         #: activation bytes one block keeps from its forward to its backward
         self.block_activation_bytes = t.moe_every * per_layer
         #: the output head's forward (the embedding is a lookup) and backward seconds
@@ -67,11 +64,8 @@ class DenseLayers:
         self.head_backward_s = 2.0 * self.head_forward_s
         #: logits kept for the loss's backward
         self.head_activation_bytes = tokens * t.vocab_size * m.dtype_bytes
-        tp = s.parallelism.tp_size
-        routers = self.shape.moe_layers * h * self.shape.experts
-        split = self.shape.params - self.shape.moe_layers * self.shape.experts * 2 * h * m.ffn_hidden_size - routers
         #: parameters a rank holds besides its experts and routers: 1/tp of attention, dense FFNs and embeddings
-        self.dense_params = split // tp
+        self.dense_params = self.shape.dense_params // p.tp_size
         #: the routers' weights and biases (whole on every rank, fp32)
         self.router_params = self.shape.moe_layers * (h * self.shape.experts + self.shape.experts)
         self.param_bytes = self.dense_params * m.dtype_bytes  # the routers' are the phase builder's router_grad_bytes

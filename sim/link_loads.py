@@ -185,7 +185,6 @@ class LinkLoads:
         gap[:-1] = np.where(edge[1:] == edge[:-1], when[1:] - when[:-1], 0.0)
         shared_gap = np.where(on_link > 1.5, gap, 0.0)
         shared = _running(shared_gap)
-        shared = _running(shared_gap)
         mine = np.flatnonzero(shared[pe] > shared[pa])  # entries on a link they share
         if len(mine) == 0:
             return

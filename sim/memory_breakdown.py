@@ -15,7 +15,8 @@ phases' memory annotations use, for the GPU whose simulated memory peaked highes
 - ``activations``: what every layer's forward keeps for its backward (MoE layers: the
   input and each expert row's input, pre-activation and output; with the whole
   transformer also the dense blocks' and the logits);
-- ``comm_buffers``: the largest send and receive buffers of one collective;
+- ``comm_buffers``: the largest send and receive buffers of one batch of concurrent
+  collectives (a phase's), of every stage, tensor-parallel ones included;
 - ``communicators``: the communicators it holds (M10), ``collectives.communicator_MiB``
   each.
 
@@ -26,13 +27,12 @@ peak (``peak_memory_bytes``, reached where ``peak_memory_at`` says) from above.
 
 from __future__ import annotations
 
-from sim.phase_sizes import buffer_bytes
 from sim.phases import StepDecisions
 from testbed.whole_model import block_grad_bytes, zero_shards
 
 
-def memory_breakdown(sim, d: StepDecisions, rank: int) -> dict[str, float]:
-    """Bytes per category of GPU ``rank`` over the step ``d`` (module doc), the held
+def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, float]:
+    """Bytes per category of GPU ``rank`` over the step ``d`` and its ``phases`` (module doc), the held
     ones (expert pages, communicators) as they stand after the step."""
     s, m, t = sim.s, sim.s.model, sim.s.transformer
     builder, dense = sim.builder, sim.builder.dense
@@ -45,10 +45,8 @@ def memory_breakdown(sim, d: StepDecisions, rank: int) -> dict[str, float]:
     if t.enabled:
         activations += m.num_layers * dense.block_activation_bytes + dense.head_activation_bytes
         gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers)) / dense_shard
-    ops = ([op for f in d.forward for op in f.route_ops + f.dispatch_ops + f.combine_ops]
-           + [op for b in d.backward.values() for op in b.combine_backward_ops + b.dispatch_backward_ops]
-           + d.sync.expert_sync_ops + d.sync.dense_sync_ops)
-    buffers = max((float(buffer_bytes([op], sim.layout.world)[rank]) for op in ops), default=0.0)
+    # the largest buffers of one collective phase: what the phases hold while their ops run
+    buffers = max((float(ph.mem_transient[rank]) for ph in phases if ph.mem_transient is not None), default=0.0)
     return {"expert_pages": float(sim.expert_weight_bytes()[rank]), "parameters": params, "gradients": float(gradients),
             "optimizer_state": sim.optimizer_state_bytes(), "activations": activations,
             "comm_buffers": buffers, "communicators": float(sim.communicator_bytes()[rank])}

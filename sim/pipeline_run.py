@@ -87,9 +87,8 @@ class MicroBatchTimes:
 
 def micro_batch_times(phases: list[Phase], tl, step_time_s: float) -> MicroBatchTimes:
     """Split the stage's simulated step at the first backward phase and the last one."""
-    first_back = next(i for i, ph in enumerate(phases) if ph.stage in BACKWARD_STAGES)
     back = [i for i, ph in enumerate(phases) if ph.stage in BACKWARD_STAGES]
-    forward_end = float(tl.end[:first_back].max()) - tl.t0
+    forward_end = float(tl.end[:back[0]].max()) - tl.t0
     backward_end = float(tl.end[back].max()) - tl.t0
     return MicroBatchTimes(forward_end, backward_end - forward_end, max(step_time_s - backward_end, 0.0))
 
@@ -97,10 +96,12 @@ def micro_batch_times(phases: list[Phase], tl, step_time_s: float) -> MicroBatch
 class PipelinedStep:
     """Turns the simulated stage's step into the pipelined step of the whole scenario."""
 
-    def __init__(self, scenario: Scenario, profile, head_forward_s: float, head_backward_s: float):
+    def __init__(self, scenario: Scenario, profile, head):
+        """``head``: the simulated stage's ``DenseLayers`` (the output head's seconds and logits)."""
         self.s = scenario
         self.send_s, self.send_bytes = boundary_send_seconds(scenario, profile)
-        self.head = (head_forward_s, head_backward_s)
+        self.head = (head.head_forward_s, head.head_backward_s)
+        self.logits_bytes = head.head_activation_bytes
 
     def schedule(self, times: MicroBatchTimes):
         """The step's pipeline schedule from one micro-batch's stage times."""
@@ -111,11 +112,11 @@ class PipelinedStep:
         bwd[:-1] -= self.head[1]
         return run_pipeline(np.maximum(fwd, 0.0) / v, np.maximum(bwd, 0.0) / v, self.send_s, m, v)
 
-    def apply(self, record: StepRecord, phases: list[Phase], tl, activation_bytes: float,
-              once_ops: list[CollectiveOp], layout) -> StepRecord:
-        """``record`` (the stage's micro-batch step) as the pipelined step; ``activation_bytes``:
-        what one micro-batch's forward keeps on the stage's fullest GPU; ``once_ops``: the
-        step's collectives that run once per step, not per micro-batch (gradient sync, heat)."""
+    def apply(self, record: StepRecord, breakdown: dict, phases: list[Phase], tl, layout) -> tuple[StepRecord, dict]:
+        """``record`` and its memory ``breakdown`` (the stage's micro-batch step, its fullest
+        GPU) as the pipelined step's. What runs once per step, not per micro-batch, is
+        every phase outside ``MICRO_BATCH_STAGES`` (gradient sync, optimizer, heat, paging),
+        for the stage times and both byte counts alike."""
         s = self.s
         p, v, m = s.parallelism.pp_size, s.parallelism.pp_chunks, s.transformer.micro_batches
         times = micro_batch_times(phases, tl, record.step_time_s)
@@ -125,14 +126,17 @@ class PipelinedStep:
         record.bytes_by_stage = {st: b * (m if st in MICRO_BATCH_STAGES else 1) * p
                                  for st, b in record.bytes_by_stage.items()}
         once = ByteLedger(layout)
-        for op in once_ops:
-            once.add_op(op)
+        for ph in phases:
+            if ph.kind == "ops" and ph.stage not in MICRO_BATCH_STAGES:
+                for op in ph.ops:
+                    once.add_op(op)
         once_levels = once.level_dict()
         record.bytes_by_level = {lvl: p * (once_levels.get(lvl, 0) + m * (b - once_levels.get(lvl, 0)))
                                  for lvl, b in record.bytes_by_level.items()}
         record.wire_bytes_by_level = None  # the stage's network counters saw one micro-batch
-        extra_micro = float(sched.in_flight[0]) / v - 1.0  # micro-batches' activations held besides the one simulated
-        record.peak_memory_bytes = int(record.peak_memory_bytes + max(extra_micro, 0.0) * activation_bytes)
+        # stage 0 keeps in_flight / v micro-batches' activations (its share of them: no logits, the last stage's)
+        extra = max(float(sched.in_flight[0]) / v - 1.0, 0.0) * max(breakdown["activations"] - self.logits_bytes, 0.0)
+        record.peak_memory_bytes = int(record.peak_memory_bytes + extra)
         record.extra["pipeline"] = {
             "stages": p, "chunks": v, "micro_batches": m, "makespan_s": float(sched.makespan_s), "tail_s": float(times.tail_s),
             "micro_batch_forward_s": float(times.forward_s), "micro_batch_backward_s": float(times.backward_s),
@@ -140,4 +144,4 @@ class PipelinedStep:
             "send_bytes_per_gpu": self.send_bytes * 2 * m * (p * v - 1) / p,
             "in_flight": [int(x) for x in sched.in_flight],
         }
-        return record
+        return record, dict(breakdown, activations=breakdown["activations"] + extra)

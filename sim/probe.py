@@ -21,13 +21,16 @@ class ModelledProbe:
     """``probe(instances) -> seconds`` for ``HeatMap.update``, on the simulated cluster."""
 
     def __init__(self, scenario: Scenario, controller: Controller, compute: ComputeModel, kernel: str):
-        self.s, self.controller, self.compute, self.kernel = scenario, controller, compute, kernel
+        self.s, self.controller = scenario, controller
+        self.compute = compute
         self.rank_seconds = np.zeros(controller.layout.world)  # probing seconds of each GPU since ``take``
+        m = scenario.model
+        #: seconds of one probe's forward (its weights on the GPU)
+        self.forward_s = compute.expert_time([scenario.heat.probe_tokens], m.hidden_size, m.ffn_hidden_size, kernel)
 
     def answer_s(self, rank: int, instance: int) -> float:
         """Seconds ``rank``'s replica of ``instance`` takes to answer a probe."""
-        m = self.s.model
-        compute = self.compute.expert_time([self.s.heat.probe_tokens], m.hidden_size, m.ffn_hidden_size, self.kernel)
+        compute = self.forward_s
         if self.controller.pool is None:  # unpaged: the weights are on the GPU
             return compute
         pager, pages = self.controller.pool.pages_of(rank, instance)
@@ -38,7 +41,9 @@ class ModelledProbe:
         lay = self.controller.layout
         out = np.zeros(len(instances))
         for k, inst in enumerate(np.asarray(instances).tolist()):
-            for group in range(lay.replicas):  # every replica: one per EP group
+            for group in range(lay.replicas):  # every up-to-date replica (one per EP group), as real.probe
+                if not self.controller.fresh[inst, group]:
+                    continue
                 r = lay.expert_rank(group, inst % self.s.model.num_experts)
                 seconds = self.answer_s(r, inst)
                 self.rank_seconds[r] += seconds

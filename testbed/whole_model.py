@@ -114,6 +114,11 @@ class TransformerShape:
                 + self.moe_layers * self.moe_params + self.embedding_params)
 
     @property
+    def dense_params(self) -> int:
+        """Every parameter besides the experts and routers: attention, dense FFNs, embeddings."""
+        return self.layers * self.attention_params + self.dense_layers * self.dense_ffn_params + self.embedding_params
+
+    @property
     def active_params(self) -> int:
         """Parameters one token meets: the router and top_k experts of each MoE layer."""
         moe_active = self.hidden * self.experts + self.top_k * 2 * self.hidden * self.expert_ffn
@@ -126,13 +131,20 @@ class TransformerShape:
         lookup: none) plus attention's scores and weighted values over ``seq_len``."""
         # an untied input embedding is a lookup; a tied one is met once, as the output head
         matmul = 2.0 * (self.active_params - (0 if self.tied_embeddings else self.vocab * self.hidden))
-        attention = 2.0 * 2.0 * seq_len * self.heads * self.head_dim * (0.5 if causal else 1.0)
-        return matmul + self.layers * attention
+        return matmul + self.layers * attention_core_flops(1, seq_len, self.heads * self.head_dim, causal)
 
     def step_flops(self, tokens: int, seq_len: int, recompute: bool = False, causal: bool = True) -> float:
         """FLOPs of a training step on ``tokens`` tokens: forward, backward (twice the
         forward) and, with full ``recompute``, one forward more."""
         return (4.0 if recompute else 3.0) * tokens * self.forward_flops_per_token(seq_len, causal)
+
+
+def attention_core_flops(tokens: int, seq_len: int, width: int, causal: bool = True) -> float:
+    """FLOPs of attention's core (scores and weighted values) in the forward, for ``tokens``
+    tokens attending over sequences of ``seq_len`` with ``width`` = heads x head dim:
+    2 x 2 x seq_len x width per token, halved by a causal mask (flash attention skips the
+    masked blocks)."""
+    return 2.0 * 2.0 * tokens * seq_len * width * (0.5 if causal else 1.0)
 
 
 def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
