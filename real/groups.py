@@ -52,21 +52,12 @@ class Groups:
         self.place = place
         lay = planner.layout
         self.world = tuple(range(lay.world))
-        self.fixed: dict[tuple[int, ...], object] = {}
-        if place is None:
-            self.fixed[self.world] = dist.group.WORLD
-        else:
-            self.fixed[self.world] = self._new(self.world)
-        wanted = [tuple(sorted(lay.ep_group(g))) for g in range(lay.replicas)]
-        wanted += [tuple(sorted(lay.replica_group(j))) for j in range(lay.ep_size)]
-        if planner.s.parallelism.tp_size > 1 and planner.s.transformer.enabled:  # tensor parallelism
-            wanted += planner.tp_groups() + planner.tp_peer_groups()
-        for grid in planner.grids or []:
-            wanted += [tuple(int(r) for r in row) for row in grid]
-            wanted += [tuple(int(r) for r in grid[:, c]) for c in range(grid.shape[1])]
-        for members in wanted:
-            if members not in self.fixed:
-                self.fixed[members] = self._new(members) if len(members) > 1 else None
+        # the world's group as is (a pipeline stage's: a group of its own); one rank needs none
+        self.fixed: dict[tuple[int, ...], object] = {self.world: dist.group.WORLD if place is None else None}
+        for members in planner.fixed_groups():
+            if members == self.world and place is None:
+                continue
+            self.fixed[members] = self._new(members)
         self.cached: dict[tuple[int, ...], object] = {}
         # evicted this round: still usable by the round's ops, destroyed by ``retire``
         self._retiring: dict[tuple[int, ...], object] = {}
@@ -117,7 +108,7 @@ class Groups:
     def held(self) -> list[tuple[int, ...]]:
         """Member sets of the groups this rank's process holds now: the fixed ones and the
         group cache's (M10)."""
-        return list(self.fixed) + list(self.cached)
+        return [m for m, pg in self.fixed.items() if pg is not None and len(m) > 1] + list(self.cached)
 
     def restore(self, cache: GroupCache) -> None:
         """After a resume (M23): one communicator per group of a restored cache, created

@@ -105,20 +105,11 @@ class ClusterSim:
         self.last_other: np.ndarray | None = None  # [W] non-page bytes at the last step's peak (M15)
 
     def _fixed_groups(self) -> np.ndarray:
-        """Communicators every rank holds from the start: world, EP group, replica group,
-        the node / column groups of the hierarchical all-to-all, and with tensor
-        parallelism its group and its shard's peers."""
-        lay = self.layout
-        n = np.full(lay.world, 1 + (lay.ep_size > 1) + (lay.replicas > 1))
-        for grid in self.builder_grids():
-            a, b = grid.shape
-            n[grid.reshape(-1)] += (b > 1) + (a > 1)
-        if self.s.parallelism.tp_size > 1 and self.s.transformer.enabled:
-            n += 2  # its tensor-parallel group and the group of its shard's peers
+        """[W] communicators each rank holds from the start (``Planner.fixed_groups``)."""
+        n = np.zeros(self.layout.world, dtype=np.int64)
+        for members in self.controller.planner.fixed_groups():
+            n[list(members)] += 1
         return n
-
-    def builder_grids(self):
-        return self.controller.planner.grids or []
 
     def memory_at_start(self) -> np.ndarray:
         """[W] bytes each GPU holds when a step begins: resident expert pages (all local

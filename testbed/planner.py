@@ -265,6 +265,21 @@ class Planner:
                     for i, group in enumerate(self.tp_peer_groups())]
         return ops
 
+    def fixed_groups(self) -> list[tuple[int, ...]]:
+        """Member sets of the communicators every rank set holds from the start, each once,
+        in the order the real backend creates them: the world, the EP groups, the replica
+        groups, with tensor parallelism its groups and its shards' peers, and the node /
+        column groups of the hierarchical all-to-all. Sets of one rank need none."""
+        lay = self.layout
+        wanted = [self.world] + [tuple(sorted(lay.ep_group(g))) for g in range(lay.replicas)]
+        wanted += [tuple(sorted(lay.replica_group(j))) for j in range(lay.ep_size)]
+        if self.s.parallelism.tp_size > 1 and self.s.transformer.enabled:
+            wanted += self.tp_groups() + self.tp_peer_groups()
+        for grid in self.grids or []:
+            wanted += [tuple(int(r) for r in row) for row in grid]
+            wanted += [tuple(int(r) for r in grid[:, c]) for c in range(grid.shape[1])]
+        return [g for g in dict.fromkeys(wanted) if len(g) > 1]
+
     @property
     def tensor_parallel(self) -> TensorParallelOps:
         if self._tensor_parallel is None:

@@ -106,3 +106,21 @@ def test_a_runs_summary_gives_tokens_per_second_per_gpu_and_mfu(tmp_path):
     peak = load_profile(s.cluster.profile).compute.peak(m.dtype)
     assert out["mfu"] == pytest.approx(flops / (out["step_time_s"] * s.world_size * peak), rel=1e-9)
     assert 0 < out["mfu"] < 1
+
+
+def test_fixed_groups_are_each_member_set_once():
+    """tp 2 x EP 2 on 4 ranks: the tensor-parallel groups are the EP groups and the shards'
+    peers the replica groups, so every rank holds 3 communicators (world, its pair, its
+    peers), as the real backend creates them; the simulator counts the same."""
+    from sim.backend import ClusterSim
+    from testbed.profile import load_profile
+    from testbed.scenario import Scenario
+
+    s = Scenario.from_dict({"model": {"hidden_size": 32, "ffn_hidden_size": 64, "num_experts": 4},
+                            "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 2, "microclusters": 1},
+                            "parallelism": {"ep_size": 2, "tp_size": 2},
+                            "transformer": {"enabled": True, "num_heads": 4, "seq_len": 32, "vocab_size": 64},
+                            "workload": {"tokens_per_rank": 64}})
+    sim = ClusterSim(s, load_profile(s.cluster.profile))
+    assert sim.controller.planner.fixed_groups() == [(0, 1, 2, 3), (0, 1), (2, 3), (0, 2), (1, 3)]
+    assert sim.fixed_groups.tolist() == [3, 3, 3, 3]
