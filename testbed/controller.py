@@ -28,7 +28,7 @@ simulator's is told everything and plans, and costs, the same ops):
   replicas that go stale and the weight updates are decided from it on every rank alike;
 - at each heat update (every ``heat.update_interval`` steps): the compute heat of every
   expert instance in the steps since the last one, summed over all ranks (the heat
-  all_reduce, run by the backend's ``sum_over_ranks`` in ``end_step``), so that every
+  all_reduce, run by the backend's ``sum_over_ranks``, ``set_heat_io``), so that every
   heat map agrees.
 
 With one replica the EP group is the world and the route all_gather tells every rank
@@ -159,12 +159,13 @@ class Controller:
         self._deferred = None
         #: the backend's (sum_over_ranks, probe) for heat updates (``set_heat_io``; not pickled)
         self._heat_io = (None, None)
-        #: the heat update applied during the current step (at its end or, deferred, at layer 0)
-        self.applied_heat: HeatUpdate | None = None
 
     def set_heat_io(self, sum_over_ranks=None, probe=None) -> None:
-        """The backend's heat all-reduce and M20 probe (see ``end_step``), for the heat
-        updates that run outside ``end_step`` (heat.deferred: at the next layer 0)."""
+        """The backend's heat functions, for every heat update (at a step's end, or
+        deferred at the next layer 0). ``sum_over_ranks``: its heat all-reduce, [steps,
+        L*E] -> the same summed over all ranks (None: what the controller holds is
+        already the total). ``probe``: its M20 probe activation, expert instances ->
+        seconds each took to answer (``HeatMap.update``)."""
         self._heat_io = (sum_over_ranks, probe)
 
     def __getstate__(self):
@@ -193,7 +194,6 @@ class Controller:
         self._active_before = dict(self._active)  # the last step's users per layer: M14's prediction
         self._kept.clear()
         self._active.clear()
-        self.applied_heat = None
         if free_memory and self.pool is not None and self.s.pager.free_memory == "device":
             self.pool.call("set_free_memory", {int(r): tuple(map(float, v)) for r, v in free_memory.items()
                                                if int(r) in self.pool.row_of})
@@ -381,7 +381,7 @@ class Controller:
                 j = int(op.label.split()[-1])
                 out[base + j * per_rank: base + (j + 1) * per_rank] += op.wire_bytes / per_rank
 
-    def end_step(self, compute_heat: np.ndarray | None = None, sum_over_ranks=None, probe=None) -> StepEnd:
+    def end_step(self, compute_heat: np.ndarray | None = None) -> StepEnd:
         """Note the step's heat (M18) and, when due, record it, update the heat map and
         move pages (M13, M19, M20).
 
@@ -391,14 +391,9 @@ class Controller:
         what this controller's ranks contributed this step, measured expert seconds
         (heat.compute_source = measured) or kept slots (a real rank, told only its group's
         counts, passes its own); None = the kept slots the forward was told (the whole
-        cluster on the simulator, or every rank with one replica). ``sum_over_ranks``:
-        the backend's heat all-reduce, [steps, L*E] -> the same summed over all ranks
-        (None: what was passed is already the total). ``probe``: the backend's M20 probe
-        activation, expert instances -> seconds each took to answer (``HeatMap.update``).
-        Both are kept for deferred updates (``set_heat_io``).
+        cluster on the simulator, or every rank with one replica). The heat all-reduce
+        and probe are the backend's (``set_heat_io``).
         """
-        if sum_over_ranks is not None or probe is not None:
-            self.set_heat_io(sum_over_ranks, probe)
         sum_over_ranks, probe = self._heat_io
         kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]
@@ -447,7 +442,6 @@ class Controller:
         for c, mem, (_, _, comm) in zip(computes, memories, pending):
             self.heat.record(c, mem, comm)
         update = self.heat.update(self.step, probe)
-        self.applied_heat = update
         heat_ops = self.planner.heat_ops(len(pending)) + self.planner.probe_ops(int(update.probed.sum()))
         if self.pool is None:
             return update, heat_ops, MovesByRank(), None

@@ -134,7 +134,8 @@ def told_step(c, step, routed, rank, heat_history):
         summed.append(len(own))
         return np.stack(heat_history[-len(own):])
 
-    end = c.end_step(kept_world[:, rank].reshape(-1), sum_over_ranks)
+    c.set_heat_io(sum_over_ranks)
+    end = c.end_step(kept_world[:, rank].reshape(-1))
     assert summed == ([s.heat.update_interval] if c.heat.is_due(step) else [])
     return fwd, bwd, sync, end
 
