@@ -36,6 +36,7 @@ import tomllib
 
 from testbed.errors import ScenarioError
 from testbed.files import write_atomic
+from testbed.profile import load_profile
 from testbed.results import StepRecord
 from testbed.routing_trace import RoutingTrace
 from testbed.scenario import Scenario
@@ -48,9 +49,12 @@ SCENARIO_FILE, SUMMARY_FILE, STEPS_FILE, TRACE_FILE = "scenario.toml", "summary.
 
 
 def scenario_hash(scenario: Scenario) -> str:
-    """12 hex digits identifying what a run computes (output folder left out)."""
+    """12 hex digits identifying what a run computes: the scenario (output folder left
+    out) and the content of the machine profile it resolves to, so that a run made before
+    a profile was recalibrated or edited is never taken for one of the new profile."""
     data = scenario.to_dict()
     data["run"] = {k: v for k, v in data["run"].items() if k != "output_dir"}
+    data["resolved_profile"] = load_profile(scenario.cluster.profile).to_dict()
     blob = json.dumps(data, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

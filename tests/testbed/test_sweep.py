@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import tomli_w
 import tomllib
 
 from testbed.errors import ScenarioError
+from testbed.profile import find_profile
 from testbed.runs import read_index
 from testbed.scenario import Scenario
 from testbed.sweep import Sweep, SweepIndex, point_label, run_sweep, with_keys, write_table
@@ -173,3 +175,24 @@ def test_a_sweep_of_whole_scenarios_runs_each_as_given(tmp_path):
     ran = [Scenario.from_dict(tomllib.loads((Path(result.summaries[(i, "sim", 0)]["run_dir"])
                                                            / "scenario.toml").read_text())) for i in (0, 1)]
     assert [s.world_size for s in ran] == [4, 2] and [s.workload.skew for s in ran] == [a.workload.skew, 0.5]
+
+
+def test_editing_the_profile_makes_a_rerun_simulate_again(tmp_path):
+    """The run's identity holds the resolved profile's content, not only its name: after the
+    profile file is edited (recalibrated), a sweep reruns its points instead of reporting the
+    runs of the old profile, and the new runs carry the new figures."""
+    prof = tmp_path / "mine.toml"
+    prof.write_text(find_profile("local-cpu").read_text())
+    sweep = Sweep("edit", tiny(tmp_path, cluster={"profile": str(prof)}), axes={"workload.skew": [0.0, 1.0]},
+                  backends=("sim",))
+    first = run_sweep(sweep, jobs=1, progress=False)
+    assert first.ran == 2
+    assert run_sweep(sweep, jobs=1, progress=False).ran == 0  # nothing changed: nothing runs
+    data = tomllib.loads(prof.read_text())
+    data["compute"]["launch_us"] = data["compute"]["launch_us"] * 10 + 50
+    prof.write_text(tomli_w.dumps(data))
+    again = run_sweep(sweep, jobs=1, progress=False)
+    assert again.ran == 2
+    slow = [p["sim_step_s"] for p in again.points()]
+    fast = [p["sim_step_s"] for p in first.points()]
+    assert all(s > f for s, f in zip(slow, fast))
