@@ -113,6 +113,21 @@ def test_whole_files_or_none(tmp_path, monkeypatch):
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_files_the_store_writes_keep_the_users_umask(tmp_path, umask):
+    """summary.json, scenario.toml and trace.json get the mode steps.jsonl gets (0666 less
+    the umask), not the 0600 of a temporary file."""
+    old = os.umask(umask)
+    try:
+        done = run_scenario(scenario(tmp_path), "sim")
+    finally:
+        os.umask(old)
+    d = Path(done["run_dir"])
+    modes = {name: (d / name).stat().st_mode & 0o777
+             for name in ("summary.json", "scenario.toml", "trace.json", "steps.jsonl")}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
 def test_a_step_line_cut_by_a_kill_is_left_out(tmp_path):
     done = run_scenario(scenario(tmp_path), "sim")
     steps = Path(done["run_dir"]) / "steps.jsonl"
