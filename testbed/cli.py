@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import shutil
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 from testbed.backend import get_tool
@@ -47,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=_cmd_runs)
 
     rep = sub.add_parser("report", help="compare runs in one self-contained HTML page")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
+    rep.add_argument("--latest", metavar="CONFIG", default=None,
+                     help="compare the newest complete run of this scenario on each backend (with --set)")
+    rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="with --latest: override one scenario field (repeatable)")
     rep.add_argument("-o", "--output", required=True, metavar="FILE.html")
     rep.set_defaults(func=_cmd_report)
 
@@ -67,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about half the time)")
     cal.set_defaults(func=_cmd_calibrate)
 
-    fld = sub.add_parser("fields", help="list every scenario field with its default and meaning")
+    fld = sub.add_parser("fields", help="list every scenario field with its default and meaning, by section")
+    fld.add_argument("sections", nargs="*", metavar="SECTION", help="only these sections (model, cluster, ...)")
+    fld.add_argument("--width", type=int, default=None, help="wrap at this many columns (default: the terminal's)")
     fld.set_defaults(func=_cmd_fields)
 
     reg = sub.add_parser("regress", help="run small simulator sweeps and compare their tuning decisions and key "
@@ -160,17 +168,34 @@ def _cmd_runs(args) -> int:
     rows = list_runs(args.output_dir)
     if not rows:
         print(f"no runs in {args.output_dir}")
+        return 0
+    width = max(len("run"), *(len(r["id"]) for r in rows))
+    print(f"{'run':{width}s}  {'backend':7s}  {'started':19s}  {'state':22s}  scenario")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"])) if r["started"] else "?"
         state = "complete" if r["complete"] else f"incomplete ({r['steps']} steps)"
-        print(f"{r['id']}  {r['backend']:4s}  {when}  {state:22s}  {r['scenario']}")
+        print(f"{r['id']:{width}s}  {r['backend']:7s}  {when:19s}  {state:22s}  {r['scenario']}")
     return 0
 
 
 def _cmd_report(args) -> int:
     from testbed.report import write_comparison_report
+    from testbed.runs import latest_run
 
-    path = write_comparison_report(args.run_dirs, args.output)
+    run_dirs = list(args.run_dirs)
+    if args.latest:
+        scenario = load_scenario(args.latest, args.overrides)
+        found = [d for backend in ("sim", "real") if (d := latest_run(scenario, backend)) is not None]
+        if not found:
+            raise ScenarioError("--latest", args.latest, f"no complete run of this scenario in {scenario.run.output_dir}")
+        run_dirs += [str(d) for d in found]
+    if not run_dirs:
+        raise ScenarioError("RUN_DIR", "", "give run folders, or --latest CONFIG")
+    # a glob such as runs/sim-* takes every sweep's runs too: say how many are compared
+    print(f"testbed report: comparing {len(run_dirs)} run folder(s)"
+          + (" (testbed runs lists them; --latest CONFIG takes one per backend)" if len(run_dirs) > 6 else ""),
+          file=sys.stderr)
+    path = write_comparison_report(run_dirs, args.output)
     print(f"wrote {path}")
     return 0
 
@@ -222,8 +247,26 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_fields(args) -> int:
+    from testbed.scenario import SECTIONS
+
+    width = max(40, args.width or shutil.get_terminal_size((100, 24)).columns)
+    known = [*SECTIONS, "faults[]"]
+    for name in args.sections:
+        if name not in known:
+            raise ScenarioError("SECTION", name, f"no such section ({', '.join(known)})")
+    section = None
     for name, default, text in field_docs():
-        print(f"{name:38s} {default!r:>14}  {text}")
+        head, key = name.split(".", 1)
+        if args.sections and head not in args.sections:
+            continue
+        if head != section:
+            cls = SECTIONS.get(head)
+            doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()) if cls else "fault events"
+            print(("" if section is None else "\n") + textwrap.fill(f"[{head}]  {doc}", width=width,
+                                                                    subsequent_indent="    "))
+            section = head
+        print(f"  {key} = {default!r}")
+        print(textwrap.fill(text, width=width, initial_indent="      ", subsequent_indent="      "))
     return 0
 
 

@@ -27,6 +27,7 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertica
 td.num { text-align: right; }
 th { background: #f2f2f2; }
 .note { color: #555; max-width: 60em; }
+.findings { max-width: 60em; border-left: 4px solid #4c78a8; padding: 0.2em 0.9em; background: #f6f8fb; }
 .fig { margin: 1.5em 0; }
 .wide { overflow-x: auto; }
 table.dense { font-size: 0.78em; }
@@ -174,13 +175,16 @@ def table_html(header: list[str], rows: list[list[str]], dense: bool = False) ->
 
 
 def write_page(output: str | Path, title: str, note: str, sections: list[tuple[str, str]],
-               scenario: str = "") -> Path:
-    """Write the page: ``sections`` are (heading, inner HTML) in order. ``note`` is plain
-    text; blank lines in it start a new paragraph. ``scenario``: what the page's runs ran
-    (a config name, a sweep), shown by the folder's index page, which is rewritten after
-    every report (``testbed.report_index``)."""
+               scenario: str = "", findings: list[str] = ()) -> Path:
+    """Write the page: ``sections`` are (heading, inner HTML) in order. ``findings``: one
+    or two sentences computed from the page's figures, what they show, which open the
+    page. ``note`` is plain text on how the numbers were made; blank lines in it start a
+    new paragraph. ``scenario``: what the page's runs ran (a config name, a sweep), shown
+    by the folder's index page, which is rewritten after every report."""
     parts = "\n".join(f"<h2>{html.escape(h)}</h2>\n{inner}" for h, inner in sections)
-    paragraphs = "\n".join(f"<p class=\"note\">{html.escape(p.strip())}</p>" for p in note.split("\n\n") if p.strip())
+    shown = "".join(f"<p>{html.escape(f)}</p>" for f in findings if f)
+    paragraphs = (f"<div class=\"findings\">{shown}</div>\n" if shown else "") + "\n".join(
+        f"<p class=\"note\">{html.escape(p.strip())}</p>" for p in note.split("\n\n") if p.strip())
     created = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     meta = (f"<meta name=\"testbed-created\" content=\"{created}\">\n"
             f"<meta name=\"testbed-scenario\" content=\"{html.escape(scenario, quote=True)}\">\n")

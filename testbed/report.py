@@ -22,6 +22,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from testbed.comparison_findings import comparison_findings
 from testbed.errors import ScenarioError
 from testbed.html_page import (
     MiB,
@@ -371,4 +372,4 @@ def write_comparison_report(run_dirs: list[str | Path], output: str | Path, titl
                memory_figure(runs), step_time_figure(runs)]
     return write_page(output, title, _NOTE.format(n=len(runs), sources=sources_note(runs)),
                       [("Runs", _table(runs)), ("Machine profile and routing source of each run", _sources_table(runs)),
-                       ("Figures", figures_html(figures))])
+                       ("Figures", figures_html(figures))], findings=comparison_findings(runs))

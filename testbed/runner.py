@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from testbed.backend import RunResult, get_backend
@@ -72,7 +73,10 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
             writer.write_step(record)
 
     options = {"run_dir": run_dir, "resume": True if resume is not None else None} if takes_run_dir else {}
-    fields = {"backend": backend, "run_dir": str(run_dir), **describe_sources(scenario, backend)}
+    # ranks and the cores of the machine the run ran on: CPU ranks sharing fewer cores is
+    # one reason a measured step differs from a simulated one (testbed.comparison_findings)
+    fields = {"backend": backend, "run_dir": str(run_dir), "ranks": scenario.world_size,
+              "host_cpu_count": os.cpu_count(), **describe_sources(scenario, backend)}
     try:
         result: RunResult = impl.run(scenario, progress=progress, on_step=on_step, **options)
     except BaseException:

@@ -30,6 +30,7 @@ the measured spread over repeats. Times are seconds, bytes are bytes.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import itertools
 import json
@@ -119,6 +120,15 @@ def _show(v) -> str:
     if isinstance(v, (list, tuple)):
         return "(" + ",".join(_show(x) for x in v) + ")"
     return str(v)
+
+
+def point_scenario(base: Scenario, sweep_name: str, point: dict[str, Any]) -> Scenario:
+    """The scenario of one point of a sweep: ``base`` with the point's fields, its notes
+    naming the sweep and the point (``testbed runs`` and reports show them), so that a
+    sweep's runs do not read as runs of the base scenario."""
+    s = with_keys(base, point)
+    label = point_label(point) or "base point"
+    return dataclasses.replace(s, notes=f"sweep {sweep_name}: {label}" + (f" (base: {base.notes})" if base.notes else ""))
 
 
 def with_keys(scenario: Scenario, values: dict[str, Any]) -> Scenario:
@@ -287,7 +297,7 @@ def run_sweep(sweep: Sweep, *, jobs: int | None = None, executor: str = "local",
     grid, scenarios, skipped = [], [], []
     for p in sweep.grid():
         try:
-            scenarios.append(with_keys(base, p))
+            scenarios.append(point_scenario(base, sweep.name, p))
             grid.append(p)
         except ScenarioError as e:
             skipped.append((p, str(e)))

@@ -35,8 +35,9 @@ def speedup_figure(points: list[dict]) -> go.Figure:
     fig = go.Figure()
     if sel:
         fig.add_trace(go.Scatter(
-            x=[p["measured_speedup"] for p in sel], y=[p["sim_speedup"] for p in sel], mode="markers",
-            name="point", marker={"size": 10, "color": series_color(0)}, text=[p["label"] for p in sel],
+            x=[p["measured_speedup"] for p in sel], y=[p["sim_speedup"] for p in sel], mode="markers+text",
+            name="a point of the sweep, labelled by its settings", marker={"size": 10, "color": series_color(0)},
+            text=[p["label"] for p in sel], textposition="top center", textfont={"size": 10},
             error_x={"type": "data", "symmetric": False,
                      "array": [p["measured_speedup_range"][1] - p["measured_speedup"] for p in sel],
                      "arrayminus": [p["measured_speedup"] - p["measured_speedup_range"][0] for p in sel]},
@@ -106,6 +107,34 @@ def _cell_text(v) -> str:
     return str(v)
 
 
+def sweep_findings(points: list[dict], skipped: int = 0) -> list[str]:
+    """What the sweep's figures show, in one to three sentences computed from its points:
+    the fastest point on each backend and its speedup over the baseline, and whether the
+    simulator picks the point that measured fastest."""
+    out = []
+    best = {}
+    for key, what in (("sim_step_s", "simulated"), ("measured_step_s", "measured")):
+        timed = [p for p in points if p[key] is not None]
+        if not timed:
+            continue
+        b = best[key] = min(timed, key=lambda p: p[key])
+        speedup = b["sim_speedup" if key == "sim_step_s" else "measured_speedup"]
+        out.append(f"Fastest {what} point: {b['label']} ({_ms(b[key])}"
+                   + ("" if b["baseline"] or speedup is None else f", x{speedup:.3f} over the baseline") + ").")
+    paired = [p for p in points if p["sim_step_s"] is not None and p["measured_step_s"] is not None]
+    if len(best) == 2 and best["sim_step_s"] in paired:
+        place = sorted(paired, key=lambda p: p["measured_step_s"]).index(best["sim_step_s"]) + 1
+        out.append("The simulator picks the point that measured fastest." if place == 1 else
+                   f"The simulator's fastest point measured {_ordinal(place)} fastest of {len(paired)}.")
+    if skipped:
+        out.append(f"{skipped} point(s) of the grid are not valid scenarios (listed at the end).")
+    return out
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def write_sweep_report(result: SweepResult, output: str | Path, title: str, note: str, headline: dict,
                        figures: list[go.Figure], extra_columns: list[tuple[str, callable]] = (),
                        table_path: str | Path | None = None) -> Path:
@@ -120,4 +149,5 @@ def write_sweep_report(result: SweepResult, output: str | Path, title: str, note
     if table_path is not None:
         note += f"\n\nEvery run's figures are in the table {Path(table_path).name} beside this page."
     return write_page(output, title, note, sections, scenario=f"sweep {result.sweep.name}: "
-                      + (result.sweep.base.notes or "") + f" ({len(result.grid)} points)")
+                      + (result.sweep.base.notes or "") + f" ({len(result.grid)} points)",
+                      findings=sweep_findings(points, len(result.skipped)))

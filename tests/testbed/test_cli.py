@@ -58,9 +58,20 @@ def test_report_is_self_contained(tmp_path):
     assert "<script src=" not in html and "Plotly" in html and run_dir in html
 
 
-def test_fields_lists_every_field(tmp_path):
-    out = run_cli("fields", cwd=tmp_path)
-    assert out.returncode == 0 and "router.capacity_factor" in out.stdout and "pager.page_size_bytes" in out.stdout
+def test_fields_lists_every_field_by_section_wrapped(tmp_path):
+    out = run_cli("fields", "--width", "90", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 90
+    heads = [line.split()[0] for line in lines if line.startswith("[")]
+    assert heads[:3] == ["[model]", "[cluster]", "[parallelism]"] and "[router]" in heads and "[pager]" in heads
+    router = lines.index(next(line for line in lines if line.startswith("[router]")))
+    assert "  capacity_factor = 1.25" in lines[router:router + 30]
+    assert "  page_size_bytes = 16777216" in lines
+    one = run_cli("fields", "router", cwd=tmp_path)
+    assert one.stdout.startswith("[router]") and "[pager]" not in one.stdout
+    bad = run_cli("fields", "routr", cwd=tmp_path)
+    assert bad.returncode == 2 and "SECTION = 'routr'" in bad.stderr
 
 
 def test_collective_prints_an_nccl_tests_table_and_one_line_errors(tmp_path):

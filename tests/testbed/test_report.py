@@ -118,8 +118,74 @@ def test_no_complete_run_is_a_scenario_error(run_dirs, tmp_path, capsys):
 def test_cli_report(run_dirs, tmp_path, capsys):
     assert cli_main(["report", str(run_dirs[0]), "-o", str(tmp_path / "c.html")]) == 0
     assert (tmp_path / "c.html").is_file()
+    assert capsys.readouterr().err == "testbed report: comparing 1 run folder(s)\n"
     assert cli_main(["report", str(tmp_path / "missing"), "-o", str(tmp_path / "d.html")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert err.pop(0) == "testbed report: comparing 1 run folder(s)"
     assert err[0] == f"testbed report: skipping {tmp_path / 'missing'}: not a run folder (no summary.json)"
     assert len(err) == 2 and "RUN_DIR" in err[1] and "no complete run among the 1 given" in err[1]
     assert not (tmp_path / "d.html").exists()
+
+
+def findings_of(page: str) -> list[str]:
+    box = page[page.index('<div class="findings">'):page.index("</div>", page.index('<div class="findings">'))]
+    return [html.unescape(p) for p in re.findall(r"<p>(.*?)</p>", box)]
+
+
+def test_the_page_opens_with_what_its_figures_show(run_dirs, tmp_path):
+    page = write_comparison_report(run_dirs, tmp_path / "r.html").read_text()
+    assert findings_of(page) == ["Of 2 runs, sim · alltoall has the shortest step (12.5 ms) and sim · allgather "
+                                 "the longest (21.5 ms, 1.72x)."]
+
+
+def paired_run(tmp_path, backend: str, step_s: float, dropped: int, **sources):
+    """A run of the default scenario on ``backend`` with its summary's source fields."""
+    scenario = Scenario().replace(run={"output_dir": str(tmp_path / "runs")})
+    writer = RunWriter(scenario, backend)
+    records = [StepRecord(step=i, step_time_s=step_s, stage_time_s={"experts": step_s}, bytes_by_stage={},
+                          bytes_by_level={}, peak_memory_bytes=1, routed_slots=100, dropped_slots=dropped,
+                          page_moves=0, page_bytes=0, page_stall_s=0.0, cache_hits=0, cache_lookups=0)
+               for i in range(3)]
+    for r in records:
+        writer.write_step(r)
+    writer.finish(summarize(records, 1, backend=backend, run_dir=str(writer.dir), **sources), [], None)
+    return writer.dir
+
+
+def test_a_simulated_and_a_measured_run_of_one_scenario_say_why_they_differ(tmp_path):
+    sim = paired_run(tmp_path, "sim", 0.006, 17, profile="local-cpu", profile_calibrated_here=False,
+                     routing_source="synthetic workload (M4)")
+    real = paired_run(tmp_path, "real", 0.120, 0, profile="local-cpu", profile_calibrated_here=False,
+                      routing_source="real router", device="cpu", ranks=8, host_cpu_count=2)
+    found = findings_of(write_comparison_report([sim, real], tmp_path / "r.html").read_text())
+    assert len(found) == 2
+    why = found[1]
+    assert why.startswith("The simulated step of sim is 0.05x the measured one of real: ")
+    assert "local-cpu profile, which was not calibrated on this machine" in why
+    assert "synthetic workload (M4) while the real run routed its tokens with its router (17.0% against 0.0% dropped" in why
+    assert "8 CPU ranks shared 2 cores" in why
+    # calibrated, replayed, one rank per core: none of the reasons applies
+    sim2 = paired_run(tmp_path, "sim", 0.100, 0, profile="local", profile_calibrated_here=True,
+                      routing_source=f"replayed trace of {real}")
+    real2 = paired_run(tmp_path, "real", 0.125, 0, profile="local", profile_calibrated_here=True,
+                       routing_source="real router", device="cpu", ranks=2, host_cpu_count=2)
+    found = findings_of(write_comparison_report([sim2, real2], tmp_path / "r2.html").read_text())
+    assert found[1] == ("The simulated step of sim is 0.80x the measured one of real; both used a calibrated profile "
+                        "and the same routing, so the difference is the simulator's error on this machine.")
+
+
+def test_cli_report_latest_takes_the_newest_run_of_a_scenario_per_backend(tmp_path, capsys):
+    from testbed.runner import run_scenario
+    config = tmp_path / "s.toml"
+    config.write_text(f'[run]\nsteps = 2\nwarmup_steps = 1\noutput_dir = "{tmp_path / "runs"}"\n')
+    scenario = Scenario.from_dict({"run": {"steps": 2, "warmup_steps": 1, "output_dir": str(tmp_path / "runs")}})
+    run_scenario(scenario, "sim")
+    newest = run_scenario(scenario, "sim")["run_dir"]
+    assert cli_main(["report", "--latest", str(config), "-o", str(tmp_path / "l.html")]) == 0
+    err = capsys.readouterr().err
+    assert "comparing 1 run folder(s)" in err
+    assert html.escape(newest) in (tmp_path / "l.html").read_text()
+    assert cli_main(["report", "--latest", str(config), "--set", "workload.skew=0.5", "-o",
+                     str(tmp_path / "m.html")]) == 2
+    assert "no complete run of this scenario" in capsys.readouterr().err
+    assert cli_main(["report", "-o", str(tmp_path / "n.html")]) == 2

@@ -139,7 +139,8 @@ def test_testbed_runs_lists_the_store(tmp_path, capsys):
     s = scenario(tmp_path, notes="a note")
     run_scenario(s, "sim")
     assert cli_main(["runs", "--output-dir", str(tmp_path / "runs")]) == 0
-    (line,) = capsys.readouterr().out.strip().splitlines()
+    header, line = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == ["run", "backend", "started", "state", "scenario"]
     assert line.startswith("sim-") and " sim " in line and "complete" in line and line.endswith("a note")
     assert cli_main(["runs", "--output-dir", str(tmp_path / "empty")]) == 0
     assert "no runs" in capsys.readouterr().out

@@ -15,6 +15,7 @@ import pytest
 import tomli_w
 import tomllib
 
+from testbed.cli import main as cli_main
 from testbed.errors import ScenarioError
 from testbed.profile import find_profile
 from testbed.runs import read_index
@@ -196,3 +197,15 @@ def test_editing_the_profile_makes_a_rerun_simulate_again(tmp_path):
     slow = [p["sim_step_s"] for p in again.points()]
     fast = [p["sim_step_s"] for p in first.points()]
     assert all(s > f for s, f in zip(slow, fast))
+
+
+def test_a_sweeps_runs_are_named_by_their_sweep_and_point_in_the_store(tmp_path, capsys):
+    sweep = Sweep("named", Scenario.from_dict({**tiny(tmp_path).to_dict(), "notes": "quick start"}),
+                  axes={"workload.skew": [0.0, 1.0]})
+    run_sweep(sweep, jobs=1, progress=False)
+    notes = sorted(e["notes"] for e in read_index(tmp_path / "runs").values())
+    assert notes == ["sweep named: skew=0 (base: quick start)", "sweep named: skew=1 (base: quick start)"]
+    assert cli_main(["runs", "--output-dir", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "backend", "started", "state", "scenario"]
+    assert len(lines) == 3 and all("sweep named: skew=" in line for line in lines[1:])
