@@ -10,11 +10,18 @@ A **key** names a figure of a point: one of the point's own keys (``"sim_step_s"
 ``point -> value``. A point whose metric is ``None`` (not measured on that backend, or
 missing) takes no part. Ties are broken by the ``tiebreak`` keys in order, then by the
 point's position in the list (the sweep's grid order), so every rule is deterministic.
+
+A ``Decision`` is what a rule chose, with how much it rests on: its candidates best first
+with their figure, the **margin** (how far the best is ahead of the runner-up, in that
+figure), and **ties**: candidates within ``TIE_WITHIN`` of their tier leader's figure are
+tied (``tiers``), so a best that wins by less is a tie of the named candidates, not a choice.
+A decision with a single candidate carries no information.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -23,6 +30,16 @@ Key = str | Callable[[dict], Any]
 #: the largest fraction of routed (token, expert) slots a "best" capacity factor may drop
 #: (the same budget as experiments/sweep_capacity_factor.py)
 DROP_BUDGET = 0.01
+
+#: a candidate whose figure is within this fraction of its tier's leader's is tied with it (``tiers``,
+#: TIE_REASON)
+TIE_WITHIN = 0.01
+TIE_REASON = ("step times within 1% of a tier's leader (the best, for the top tier) are a tie (assumed): the "
+              "built-in profiles' constants are specs or assumptions, not measurements to 1%, so a choice resting on "
+              "less would not carry over to a machine (the figures themselves are checked to 1e-9 as metrics)")
+
+#: outcomes of a decision
+CHOICE, TIE, RANKING, NO_INFORMATION = "choice", "tie", "ranking", "no information"
 
 
 def value(point: dict, key: Key) -> Any:
@@ -121,8 +138,95 @@ def gaps(ordered_points: list[dict], metric: Key) -> list[float]:
     """Relative gaps between neighbours of an ``ordered`` list: ``(next - this) / this``
     for each pair (how close a decision came to flipping: a gap of 0 is a tie broken by
     the tiebreak keys or the grid order)."""
-    vals = [value(p, metric) for p in ordered_points]
+    return _relative_gaps([value(p, metric) for p in ordered_points])
+
+
+def _relative_gaps(vals: list[float]) -> list[float]:
     return [(b - a) / a if a else (0.0 if b == a else float("inf")) for a, b in pairwise(vals)]
+
+
+def tiers(values: Sequence[float], tie_within: float = TIE_WITHIN) -> list[list[int]]:
+    """Positions of ``values`` (ascending: the figures of an ``ordered`` list) in tiers of
+    ties, best tier first: a tier is a leader (the first value in no tier yet) and every
+    following value within ``tie_within`` of it (``v <= leader + tie_within * |leader|``).
+    ``tie_within = 0``: only equal values tie."""
+    out: list[list[int]] = []
+    i = 0
+    while i < len(values):
+        limit = values[i] + tie_within * abs(values[i])
+        j = i + 1
+        while j < len(values) and values[j] <= limit:
+            j += 1
+        out.append(list(range(i, j)))
+        i = j
+    return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decision among candidates by one figure (smaller is better).
+
+    ``candidates``: (label, figure) best first, as ``ordered`` gives them (ties of equal
+    figures in tiebreak and grid order); ``figure`` names it (``"sim_step_s"``: seconds).
+    ``ranking``: the whole order is the decision (in tiers of ties); otherwise only the
+    best (the top tier). ``alone``: what a single candidate is (it is then no choice)."""
+
+    figure: str
+    candidates: tuple[tuple[Any, float], ...]
+    ranking: bool = False
+    tie_within: float = TIE_WITHIN
+    alone: str = "the only candidate"
+
+    @property
+    def tiers(self) -> list[list]:
+        """The candidates' labels in tiers of ties (``tiers``), best first."""
+        labels = [c[0] for c in self.candidates]
+        return [[labels[i] for i in t] for t in tiers([c[1] for c in self.candidates], self.tie_within)]
+
+    @property
+    def outcome(self) -> str:
+        """``no information`` (fewer than two candidates), ``ranking``, ``tie`` (the best
+        is within the tie margin of another) or ``choice``."""
+        if len(self.candidates) < 2:
+            return NO_INFORMATION
+        if self.ranking:
+            return RANKING
+        return TIE if len(self.tiers[0]) > 1 else CHOICE
+
+    @property
+    def value(self) -> list:
+        """What was decided: the top tier's labels (a best), or every tier (a ranking)."""
+        t = self.tiers
+        return t if self.ranking else (t[0] if t else [])
+
+    @property
+    def margin(self) -> float | None:
+        """How far the best is ahead of the runner-up: (runner-up - best) / best of the
+        figure; None with fewer than two candidates."""
+        return self.gaps[0] if len(self.candidates) > 1 else None
+
+    @property
+    def margin_abs(self) -> float | None:
+        """The same lead in the figure's own unit (seconds for a step time)."""
+        return self.candidates[1][1] - self.candidates[0][1] if len(self.candidates) > 1 else None
+
+    @property
+    def runner_up(self) -> Any:
+        return self.candidates[1][0] if len(self.candidates) > 1 else None
+
+    @property
+    def gaps(self) -> list[float]:
+        """Relative gaps between neighbouring candidates (``gaps``)."""
+        return _relative_gaps([c[1] for c in self.candidates])
+
+
+def decide(ordered_points: list[dict], metric: Key, label: Key, ranking: bool = False,
+           tie_within: float = TIE_WITHIN, alone: str = "the only candidate") -> Decision:
+    """The ``Decision`` an ``ordered`` list makes: each point labelled by ``label``, by
+    its ``metric`` (a string key names the figure; a callable is named ``metric``)."""
+    name = metric if isinstance(metric, str) else "metric"
+    cands = tuple((value(p, label), value(p, metric)) for p in ordered_points)
+    return Decision(name, cands, ranking=ranking, tie_within=tie_within, alone=alone)
 
 
 def best_capacity_factor(points: Iterable[dict], time_key: Key = "sim_step_s",

@@ -2,9 +2,22 @@
 the reason for it), reading and writing the file, comparing current values with it, the
 table of what moved and the diff of an update.
 
-The tolerance is relative (``abs(now - golden) <= tolerance * abs(golden)``); 0 means
-exact (for floats: to a relative 1e-12, the rounding of a mean over steps). Decisions (a
-chosen value, a ranking) are always exact.
+Metrics: the tolerance is relative (``abs(now - golden) <= tolerance * abs(golden)``); 0
+means exact (for floats: to a relative 1e-12, the rounding of a mean over steps). The
+simulator is deterministic, so its figures get 1e-9 at most; a figure from a real run or
+another noisy source would get a tolerance from its measured run-to-run spread (the suite
+has none).
+
+Decisions (``testbed.decisions.Decision``): the outcome (``choice``, ``tie``, ``ranking``,
+``no information``), what was decided (the best's tier of tied candidates, or every tier
+of a ranking), the margin (the best's lead over the runner-up in the decision's figure),
+the tie margin ``tie_within`` and the candidates with their figures. A decision holds
+when the current candidates, cut into tiers at the golden ``tie_within``, give the same
+outcome and the same tied candidates (in any order within a tie): so a tie passes whichever
+of its candidates is best now, and fails when it breaks beyond the margin, widens to
+another candidate, or another candidate wins.
+
+The golden file is written by ``testbed regress --update`` (and only by it).
 """
 
 from __future__ import annotations
@@ -16,12 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from testbed import decisions as D
 from testbed.errors import ScenarioError
 from testbed.files import write_atomic
 
-FORMAT = 1
+FORMAT = 2
 #: relative tolerance below which two floats are "exactly" equal (the rounding of a mean)
 EXACT_RTOL = 1e-12
+#: the command that writes the golden file (after a reviewed change of the model or a policy)
+UPDATE_COMMAND = "testbed regress --update"
 
 
 # ---- tolerances --------------------------------------------------------------------------
@@ -31,10 +47,9 @@ class Tol:
     reason: str
 
 
-DECISION = Tol(0, "a decision: any change of the chosen value or order is a flip")
-TIME = Tol(0.02, "simulated seconds are deterministic; 2% lets small model refinements through (decisions are "
-                 "checked exactly on their own)")
-RATIO = Tol(0.02, "a ratio of simulated times: as for times")
+TIME = Tol(1e-9, "simulated seconds: the simulator is deterministic (same scenario and seed, same numbers); 1e-9 "
+                 "leaves room for float rounding only (summation order), so any model or policy change shows")
+RATIO = Tol(1e-9, "a ratio of simulated times: as for times")
 BYTES = Tol(0, "bytes are counted from deterministic routing: any change is a change in what moves")
 MEMORY = Tol(0, "peak bytes of a deterministic memory model: any change is a change in what is held")
 COUNT = Tol(0, "counts of the deterministic synthetic routing and policies")
@@ -43,21 +58,35 @@ FRACTION = Tol(0, "a ratio of counts of the deterministic synthetic routing and 
 
 @dataclass
 class Entry:
+    """A metric: its value and tolerance."""
+
     value: Any
     tol: Tol
-    margin: str | None = None  # decisions: how close the runner-up came (informational, never compared)
 
     def to_json(self) -> dict:
-        out = {"value": self.value, "tolerance": self.tol.rel, "reason": self.tol.reason}
-        if self.margin is not None:
-            out["margin"] = self.margin
-        return out
+        return {"value": self.value, "tolerance": self.tol.rel, "reason": self.tol.reason}
+
+
+def decision_json(d: D.Decision) -> dict:
+    """A decision as the golden file records it (see the module doc)."""
+    out = {"outcome": d.outcome, "value": d.value, "kind": "ranking" if d.ranking else "best",
+           "figure": d.figure, "margin": d.margin, "margin_abs": d.margin_abs, "runner_up": d.runner_up,
+           "tie_within": d.tie_within, "reason": D.TIE_REASON}
+    if d.outcome == D.NO_INFORMATION:
+        out["why"] = d.alone if d.candidates else "no candidate qualifies"
+    if d.ranking:
+        out["gaps"] = d.gaps
+    out["candidates"] = [[label, fig] for label, fig in d.candidates]
+    return out
 
 
 # ---- the golden file ---------------------------------------------------------------------
 ABOUT = ("testbed regress: tuning decisions and key metrics of small simulator sweeps (testbed/regress.py). "
-         "Written by `testbed regress --update`. tolerance: relative, abs(now - golden) <= tolerance * abs(golden); "
-         "0 = exact. Sweeps: the scenario keys each sweep sets on its config and its grid.")
+         f"Written by `{UPDATE_COMMAND}`. Metrics: tolerance relative, abs(now - golden) <= tolerance * "
+         "abs(golden); 0 = exact. Decisions: value = the best's tier of candidates tied within tie_within (relative, "
+         "in the decision's figure) or every tier of a ranking; margin = the best's lead over the runner-up "
+         "(relative; margin_abs in the figure's unit); a decision holds when the same candidates tie at the top "
+         "(a ranking: in every tier). Sweeps: the scenario keys each sweep sets on its config and its grid.")
 
 
 def golden_from(current: dict) -> dict:
@@ -69,7 +98,11 @@ def golden_from(current: dict) -> dict:
 
 
 def _jsonable(e) -> dict:
-    return e.to_json() if isinstance(e, Entry) else dict(e)
+    if isinstance(e, Entry):
+        return e.to_json()
+    if isinstance(e, D.Decision):
+        return decision_json(e)
+    return dict(e)
 
 
 def load_golden(path: str | Path) -> dict:
@@ -85,11 +118,21 @@ def load_golden(path: str | Path) -> dict:
         raise ScenarioError("--golden", str(path), f"cannot read it: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("sweeps", "decisions", "metrics")):
         raise ScenarioError("--golden", str(path), "not a regress golden file (no sweeps, decisions and metrics)")
-    for section in ("decisions", "metrics"):
-        for name, e in data[section].items():
-            if not isinstance(e, dict) or "value" not in e or not isinstance(e.get("tolerance", 0), (int, float)):
-                raise ScenarioError("--golden", str(path), f"{section} entry {name!r} has no value or a bad tolerance")
+    if data.get("format") != FORMAT:
+        raise ScenarioError("--golden", str(path), f"format {data.get('format')!r}, expected {FORMAT} "
+                            f"(rewrite it with `{UPDATE_COMMAND}`)")
+    for name, e in data["metrics"].items():
+        if not isinstance(e, dict) or "value" not in e or not isinstance(e.get("tolerance", 0), (int, float)):
+            raise ScenarioError("--golden", str(path), f"metrics entry {name!r} has no value or a bad tolerance")
+    for name, e in data["decisions"].items():
+        if (not isinstance(e, dict) or "value" not in e or e.get("outcome") not in OUTCOMES
+                or not isinstance(e.get("tie_within", 0), (int, float)) or not isinstance(e.get("candidates"), list)):
+            raise ScenarioError("--golden", str(path), f"decisions entry {name!r} has no value, outcome, tie_within "
+                                "or candidates")
     return data
+
+
+OUTCOMES = (D.CHOICE, D.TIE, D.RANKING, D.NO_INFORMATION)
 
 
 def golden_text(data: dict) -> str:
@@ -131,7 +174,7 @@ class Row:
 
 def within(golden: Any, now: Any, rel: float) -> bool:
     """``now`` agrees with ``golden`` within the relative tolerance ``rel`` (0: exact; two
-    floats to a relative 1e-12). Non-numbers (decisions, rankings) must be equal."""
+    floats to a relative 1e-12). Non-numbers must be equal."""
     if _number(golden) and _number(now):
         if rel <= 0:
             return golden == now or math.isclose(golden, now, rel_tol=EXACT_RTOL, abs_tol=0.0)
@@ -148,34 +191,116 @@ def _norm(v):
     return json.loads(json.dumps(v))
 
 
-def _change(golden, now, kind: str) -> str:
-    if kind == "decision" and _norm(golden) != _norm(now):
-        lists = isinstance(golden, list) and isinstance(now, list)
-        return "reordered" if lists and sorted(map(str, golden)) == sorted(map(str, now)) else "flipped"
+def _change(golden, now) -> str:
     if _number(golden) and _number(now):
         if golden == now:
             return "0"
         if golden == 0:
             return f"{now - golden:+.6g} (from 0)"
         return f"{100 * (now - golden) / abs(golden):+.3g}%"
-    if _norm(golden) == _norm(now):
-        return "same"
-    if isinstance(golden, list) and isinstance(now, list):
-        return "reordered" if sorted(map(str, golden)) == sorted(map(str, now)) else "changed"
-    return "flipped" if kind == "decision" else "changed"
+    return "same" if _norm(golden) == _norm(now) else "changed"
 
 
-def _tol_text(rel: float, kind: str) -> str:
-    if kind == "decision" or rel <= 0:
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def _tol_text(rel: float) -> str:
+    if rel <= 0:
         return "exact"
-    return f"{100 * rel:g}%"
+    return f"{100 * rel:g}%" if rel >= 1e-4 else f"{rel:.0e} rel"
+
+
+# ---- decisions ---------------------------------------------------------------------------
+def decision_at(entry: dict, tie_within: float) -> dict:
+    """A decision entry (golden form) with its candidates cut into tiers at ``tie_within``:
+    ``{"outcome", "value", "kind"}`` as ``decision_json`` would give them."""
+    d = D.Decision(entry.get("figure", ""), tuple((c[0], c[1]) for c in entry["candidates"]),
+                   ranking=entry.get("kind") == "ranking", tie_within=tie_within)
+    return {"outcome": d.outcome, "value": _norm(d.value), "kind": entry.get("kind", "best")}
+
+
+def _key(label) -> str:
+    return json.dumps(_norm(label), sort_keys=True)
+
+
+def _set(labels) -> frozenset[str]:
+    return frozenset(_key(x) for x in labels)
+
+
+def decision_holds(golden: dict, now: dict) -> tuple[bool, str]:
+    """Whether the current decision ``now`` is the ``golden`` one (the module doc): the
+    current candidates cut into tiers at the golden ``tie_within`` give the golden outcome
+    and the same candidates in each decided tier (any order within a tie). The second
+    item says what changed, in words."""
+    cur = decision_at(now, float(golden.get("tie_within", D.TIE_WITHIN)))
+    g_out, g_val, n_out, n_val = golden["outcome"], golden["value"], cur["outcome"], cur["value"]
+    ranking = golden.get("kind") == "ranking"
+    if ranking:
+        same = [_set(t) for t in g_val] == [_set(t) for t in n_val]
+    else:
+        same = _set(g_val) == _set(n_val)
+    if same and g_out == n_out:
+        return True, "same"
+    if g_out == D.NO_INFORMATION:
+        return False, f"carries information now ({len(now['candidates'])} candidates)"
+    if n_out == D.NO_INFORMATION:
+        return False, "no information now (" + ("one candidate" if now["candidates"] else "no candidate") + ")"
+    if ranking:
+        flat_g, flat_n = [x for t in g_val for x in t], [x for t in n_val for x in t]
+        if _set(flat_g) != _set(flat_n):
+            return False, "changed"
+        return False, "ties changed" if _compatible(g_val, n_val) else "reordered"
+    g, n = _set(g_val), _set(n_val)
+    if n < g:
+        gone = [show(x) for x in g_val if _key(x) not in n]
+        return False, f"tie broken: {', '.join(gone)} now beyond {_pct(golden.get('tie_within', D.TIE_WITHIN))}"
+    if g < n:
+        extra = [show(x) for x in n_val if _key(x) not in g]
+        return False, ("now a tie with " if g_out == D.CHOICE else "tie widened to ") + ", ".join(extra)
+    return False, "flipped"
+
+
+def _compatible(a: list[list], b: list[list]) -> bool:
+    """No two candidates are strictly ordered one way by tiers ``a`` and the other by ``b``
+    (only ties formed or broke)."""
+    rank_a = {_key(x): i for i, t in enumerate(a) for x in t}
+    rank_b = {_key(x): i for i, t in enumerate(b) for x in t}
+    keys = list(rank_a)
+    return not any((rank_a[x] - rank_a[y]) * (rank_b[x] - rank_b[y]) < 0 for x in keys for y in keys)
+
+
+def show_decision(e: dict) -> str:
+    """A decision as the tables print it: ``a > b ~ c`` (a ranking; ``~`` ties), ``tie: a ~
+    b``, ``a`` (a choice), ``a (no information)``."""
+    value, outcome = e["value"], e["outcome"]
+    if e.get("kind") == "ranking":
+        return " > ".join(" ~ ".join(show(x) for x in t) for t in value)
+    if outcome == D.TIE:
+        return "tie: " + " ~ ".join(show(x) for x in value)
+    text = show(value[0]) if value else "—"
+    return f"{text} (no information)" if outcome == D.NO_INFORMATION else text
+
+
+def _decision_note(e: dict) -> str:
+    """The short table's note on a decision: its margin, its tie margin, or why it carries
+    no information."""
+    tie = _pct(e.get("tie_within", D.TIE_WITHIN))
+    if e["outcome"] == D.NO_INFORMATION:
+        return f"no information: {e.get('why', 'one candidate')}"
+    lead = f"leads {show(e['runner_up'])} by {_pct(e['margin'])}"
+    if e["outcome"] == D.RANKING:
+        return f"ties within {tie}; neighbours apart " + ", ".join(f"+{_pct(g)}" for g in e.get("gaps", []))
+    if e["outcome"] == D.TIE:
+        return f"a tie within {tie}, no choice: {show(e['candidates'][0][0])} {lead}"
+    return f"{lead}; ties within {tie}"
 
 
 def compare(current: dict, golden: dict) -> list[Row]:
     """One row per sweep definition, decision and metric of either side; ``ok`` False for
-    a flipped decision, a metric outside the golden tolerance, an entry only on one side
-    or a sweep defined differently. Pure: ``current`` is a ``run_suite`` result (or its
-    golden form), ``golden`` a golden mapping."""
+    a decision that does not hold (``decision_holds``), a metric outside the golden
+    tolerance, an entry only on one side or a sweep defined differently. Pure: ``current``
+    is a ``run_suite`` result (or its golden form), ``golden`` a golden mapping."""
     rows: list[Row] = []
     cur = golden_from(current) if _has_entries(current) else current
     gs, cs = golden.get("sweeps", {}), cur.get("sweeps", {})
@@ -186,35 +311,45 @@ def compare(current: dict, golden: dict) -> list[Row]:
         rows.append(Row(f"sweep {name}", _short(gd), _short(cd),
                         "same" if ok else ("not in golden" if g is None else "gone" if c is None else "redefined"),
                         "exact", ok, "sweep"))
-    for section, kind in (("decisions", "decision"), ("metrics", "metric")):
-        ge, ce = golden.get(section, {}), cur.get(section, {})
-        for name in _names(ge, ce):
-            g, c = ge.get(name), ce.get(name)
-            if g is None or c is None:
-                rows.append(Row(name, None if g is None else g["value"], None if c is None else c["value"],
-                                "not in golden" if g is None else "gone", _tol_text((g or c).get("tolerance", 0), kind),
-                                False, kind))
-                continue
-            rel = 0.0 if kind == "decision" else float(g.get("tolerance", 0))
-            rows.append(Row(name, g["value"], c["value"], _change(g["value"], c["value"], kind), _tol_text(rel, kind),
-                            within(g["value"], c["value"], rel), kind))
+    ge, ce = golden.get("decisions", {}), cur.get("decisions", {})
+    for name in _names(ge, ce):
+        g, c = ge.get(name), ce.get(name)
+        tie = float((g or c).get("tie_within", D.TIE_WITHIN))
+        if g is None or c is None:
+            rows.append(Row(name, "—" if g is None else show_decision(g), "—" if c is None else show_decision(c),
+                            "not in golden" if g is None else "gone", f"tie within {_pct(tie)}", False, "decision"))
+            continue
+        ok, change = decision_holds(g, c)
+        rows.append(Row(name, show_decision(g), show_decision(decision_at(c, tie)), change, f"tie within {_pct(tie)}",
+                        ok, "decision"))
+    ge, ce = golden.get("metrics", {}), cur.get("metrics", {})
+    for name in _names(ge, ce):
+        g, c = ge.get(name), ce.get(name)
+        if g is None or c is None:
+            rows.append(Row(name, None if g is None else g["value"], None if c is None else c["value"],
+                            "not in golden" if g is None else "gone", _tol_text((g or c).get("tolerance", 0)),
+                            False, "metric"))
+            continue
+        rel = float(g.get("tolerance", 0))
+        rows.append(Row(name, g["value"], c["value"], _change(g["value"], c["value"]), _tol_text(rel),
+                        within(g["value"], c["value"], rel), "metric"))
     return rows
 
 
 def notes(current: dict, golden: dict) -> list[str]:
     """Lines that explain, not fail: a sweep whose resolved base scenario differs from
-    the golden one (its config file or a scenario default changed)."""
+    the golden one (its config file, its machine profile or a scenario default changed)."""
     out = []
     for name, c in current.get("sweeps", {}).items():
         g = golden.get("sweeps", {}).get(name) or {}
         if g.get("base_scenario_hash") and c.get("base_scenario_hash") != g["base_scenario_hash"]:
             out.append(f"note: the base scenario of sweep {name} differs from the golden one's "
-                       f"({c.get('config')} or a scenario default changed)")
+                       f"({c.get('config')}, its machine profile or a scenario default changed)")
     return out
 
 
 def _has_entries(d: dict) -> bool:
-    return any(isinstance(e, Entry) for sec in ("decisions", "metrics") for e in d.get(sec, {}).values())
+    return any(isinstance(e, (Entry, D.Decision)) for sec in ("decisions", "metrics") for e in d.get(sec, {}).values())
 
 
 def _names(a: dict, b: dict) -> list[str]:
@@ -276,7 +411,7 @@ def table(rows: list[Row]) -> str:
     head = ("name", "golden", "now", "change", "tolerance")
     cells = [[[h] for h in head]]
     for r in rows:
-        g, n = (r.golden, r.now) if r.kind == "sweep" else _pair(r.golden, r.now)
+        g, n = (r.golden, r.now) if r.kind in ("sweep", "decision") else _pair(r.golden, r.now)
         cells.append([[r.name], _wrap(g), _wrap(n), [r.change], [r.tolerance]])
     widths = [max(len(line) for c in cells for line in c[i]) for i in range(len(head))]
     out = []
@@ -289,54 +424,68 @@ def table(rows: list[Row]) -> str:
 
 def check(current: dict, golden: dict, golden_path: str | Path = "golden", out=print) -> int:
     """Compare and print: the table of what moved and exit code 1, or a short table of
-    the decisions and exit code 0."""
-    rows = compare(current, golden)
-    for line in notes(golden_from(current) if _has_entries(current) else current, golden):
+    the decisions (with their margins, ties and no-information ones) and exit code 0."""
+    cur = golden_from(current) if _has_entries(current) else current
+    rows = compare(cur, golden)
+    for line in notes(cur, golden):
         out(line)
     moved = [r for r in rows if not r.ok]
     if moved:
         out(table(moved))
         out(f"regress: {len(moved)} of {len(rows)} entries moved beyond their tolerance against {golden_path} "
-            "(rerun with --update to accept them)")
+            f"(after a reviewed change of the model or a policy, accept them with `{UPDATE_COMMAND}`)")
         return 1
-    out(_short_table(rows, current))
+    out(_short_table(cur))
     n_met = sum(r.kind == "metric" for r in rows)
     worst = max((r for r in rows if r.kind == "metric" and _number(r.golden) and _number(r.now) and r.golden),
                 key=lambda r: abs(r.now - r.golden) / abs(r.golden), default=None)
     tail = f"; largest change {worst.change} ({worst.name})" if worst and worst.change != "0" else ""
-    out(f"regress: ok, {sum(r.kind == 'decision' for r in rows)} decisions unchanged and {n_met} metrics within "
-        f"their tolerance against {golden_path}{tail}")
+    outcomes = [e["outcome"] for e in cur.get("decisions", {}).values()]
+    plural = {D.CHOICE: "choices", D.TIE: "ties", D.RANKING: "rankings", D.NO_INFORMATION: "with no information"}
+    kinds = ", ".join(f"{n} {o if n == 1 and o != D.NO_INFORMATION else plural[o]}"
+                      for o in OUTCOMES if (n := outcomes.count(o)))
+    out(f"regress: ok, {len(outcomes)} decisions unchanged ({kinds}) and {n_met} metrics within their tolerance "
+        f"against {golden_path}{tail}")
     return 0
 
 
-def _short_table(rows: list[Row], current: dict) -> str:
-    dec = [r for r in rows if r.kind == "decision"]
-    margins = {k: _jsonable(e).get("margin") for k, e in current.get("decisions", {}).items()}
-    width = max((len(r.name) for r in dec), default=0)
-    return "\n".join(f"{r.name.ljust(width)}  {show(r.now)}" + (f"  ({margins[r.name]})" if margins.get(r.name) else "")
-                     for r in dec)
+def _short_table(cur: dict) -> str:
+    dec = cur.get("decisions", {})
+    width = max((len(name) for name in dec), default=0)
+    return "\n".join(f"{name.ljust(width)}  {show_decision(e)}  ({_decision_note(e)})" for name, e in dec.items())
 
 
 def update_diff(old: dict | None, new: dict) -> list[str]:
-    """``name: old -> new`` for every entry (value or tolerance) and sweep definition that
-    differs between two golden mappings (``old`` None: every entry is new)."""
+    """``name: old -> new`` for every entry (value, tolerance or tie margin) and sweep
+    definition that differs between two golden mappings (``old`` None: every entry is new)."""
     old = old or {"sweeps": {}, "decisions": {}, "metrics": {}}
     lines = []
     for name in _names(old.get("sweeps", {}), new["sweeps"]):
         o, n = old.get("sweeps", {}).get(name), new["sweeps"].get(name)
         if _norm(o) != _norm(n):
             lines.append(f"sweep {name}: {_short(_definition(o))} -> {_short(_definition(n))}")
-    for section in ("decisions", "metrics"):
-        for name in _names(old.get(section, {}), new[section]):
-            o, n = old.get(section, {}).get(name), new[section].get(name)
-            ov, nv = (show(o["value"]) if o else "(new)"), (show(n["value"]) if n else "(removed)")
-            if o and n and within(o["value"], n["value"], 0):
-                if o.get("tolerance") != n.get("tolerance"):
-                    lines.append(f"{name}: tolerance {_tol_text(o.get('tolerance', 0), '')} -> "
-                                 f"{_tol_text(n.get('tolerance', 0), '')}")
+    for name in _names(old.get("decisions", {}), new["decisions"]):
+        o, n = old.get("decisions", {}).get(name), new["decisions"].get(name)
+        if o and n:
+            ok, change = decision_holds(o, n)
+            if ok and o.get("tie_within") == n.get("tie_within"):
                 continue
-            change = f" ({_change(o['value'], n['value'], section[:-1])})" if o and n else ""
-            lines.append(f"{name}: {ov} -> {nv}{change}")
+            if ok:
+                lines.append(f"{name}: tie within {_pct(o.get('tie_within', 0))} -> {_pct(n.get('tie_within', 0))}")
+                continue
+            lines.append(f"{name}: {show_decision(o)} -> {show_decision(n)} ({change})")
+        else:
+            lines.append(f"{name}: {show_decision(o) if o else '(new)'} -> {show_decision(n) if n else '(removed)'}")
+    for name in _names(old.get("metrics", {}), new["metrics"]):
+        o, n = old.get("metrics", {}).get(name), new["metrics"].get(name)
+        ov, nv = (show(o["value"]) if o else "(new)"), (show(n["value"]) if n else "(removed)")
+        if o and n and within(o["value"], n["value"], 0):
+            if o.get("tolerance") != n.get("tolerance"):
+                lines.append(f"{name}: tolerance {_tol_text(o.get('tolerance', 0))} -> "
+                             f"{_tol_text(n.get('tolerance', 0))}")
+            continue
+        change = f" ({_change(o['value'], n['value'])})" if o and n else ""
+        lines.append(f"{name}: {ov} -> {nv}{change}")
     return lines
 
 

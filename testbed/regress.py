@@ -5,19 +5,27 @@ fresh run store (a temporary folder unless ``--output-dir``), and each sweep's
 **decisions** (the best capacity factor per skew, the best page size, the best heat
 weights, the ranking of the token x sync strategies, the ranking of placements per EP
 size) and key **metrics** (the best point's step time, dropped slots, peak memory,
-bytes, page moves, ...) are compared with the golden file
-``testbed/golden/regress.json``. The simulator with synthetic routing (M4) and built-in
-profiles is deterministic, so the same code gives the same numbers on every machine:
-a change is a change of the model or of a policy.
+bytes, page moves, ...; every capacity factor's dropped slots and every heat weights'
+page moves) are compared with the golden file ``testbed/golden/regress.json``. The
+simulator with synthetic routing (M4) and built-in profiles is deterministic, so the
+same code gives the same numbers on every machine: a change is a change of the model or
+of a policy, and simulated figures are compared to 1e-9.
 
-Every entry of the golden file carries its value, its tolerance and a one-line reason
-for it (``testbed.golden``: the file, comparing, the table and the diff).
+Each decision is recorded with its margin (the best's lead over the runner-up in step
+time) and its ties: candidates within ``testbed.decisions.TIE_WITHIN`` (1%) of a better
+one are tied, so a best that wins by less is recorded as a tie of the named candidates
+and holds whichever of them is best; a decision with one candidate (one capacity factor
+within the drop budget) is recorded as carrying no information. Every metric carries its
+tolerance and a one-line reason for it (``testbed.golden``: the file, comparing, the
+table and the diff).
 
-- every entry within its tolerance: a short table, exit 0;
-- a decision flipped, a metric outside its tolerance, an entry only on one side, or a
-  sweep defined differently from the golden one: a table of what moved (name, golden,
-  now, change, tolerance), exit 1;
-- ``--update``: write the golden file from this run and print what changed (old -> new);
+- every entry within its tolerance: a short table (each decision with its margin, tie or
+  "no information"), exit 0;
+- a decision that does not hold, a metric outside its tolerance, an entry only on one
+  side, or a sweep defined differently from the golden one: a table of what moved
+  (name, golden, now, change, tolerance), exit 1;
+- ``--update`` (``testbed regress --update``, the one command that regenerates the golden
+  file): write the golden file from this run and print what changed (old -> new);
 - a missing or unreadable golden file: one line naming it, exit 2.
 
 The decision rules are those of ``testbed.decisions``; this module holds the suite.
@@ -36,7 +44,7 @@ from typing import Any
 
 from testbed import decisions as D
 from testbed.errors import ScenarioError
-from testbed.golden import BYTES, COUNT, DECISION, FRACTION, MEMORY, RATIO, TIME, Entry, Tol, check, load_golden, update
+from testbed.golden import BYTES, COUNT, FRACTION, MEMORY, RATIO, TIME, Entry, Tol, check, load_golden, update
 from testbed.runs import scenario_hash
 from testbed.scenario import Scenario
 from testbed.scenario_file import load_scenario
@@ -57,13 +65,14 @@ STEP = "sim_step_s"
 @dataclass
 class SuiteSweep:
     """One sweep of the suite: a base (a config file with keys set on it), a grid, and
-    what to read off its points (``analyse``: points -> (decisions, metrics))."""
+    what to read off its points (``analyse``: points -> (decisions, metrics)). Every entry
+    it names begins with the sweep's name (``<name>.`` or ``<name>[``)."""
 
     name: str
     question: str
     config: str  # relative to the repository root
     set: dict[str, Any]
-    analyse: Callable[[list[dict]], tuple[dict[str, Entry], dict[str, Entry]]]
+    analyse: Callable[[list[dict]], tuple[dict[str, D.Decision], dict[str, Entry]]]
     axes: dict[str, list] = field(default_factory=dict)
     points: list[dict[str, Any]] | None = None
 
@@ -105,25 +114,7 @@ def _metrics(prefix: str, p: dict, figures: dict[str, Tol]) -> dict[str, Entry]:
     return {f"{prefix}.{k}": Entry(_figure(p, k), t) for k, t in figures.items()}
 
 
-def _runner_up(order: list[dict], label: Callable[[dict], str]) -> str | None:
-    """``next: LABEL +x.xx%`` (the runner-up and how much slower its step is)."""
-    if len(order) < 2:
-        return "the only point that qualifies" if order else None
-    gap = D.gaps(order[:2], STEP)[0]
-    return f"next: {label(order[1])} {100 * gap:+.3g}%" + (" (tie, broken by the secondary metric or grid order)"
-                                                            if gap == 0 else "")
-
-
-def _closest(order: list[dict], label: Callable[[dict], str]) -> str | None:
-    """``closest: A vs B +x.xx%`` (the neighbours of a ranking nearest to swapping)."""
-    g = D.gaps(order, STEP)
-    if not g:
-        return None
-    i = min(range(len(g)), key=g.__getitem__)
-    return f"closest: {label(order[i])} vs {label(order[i + 1])} {100 * g[i]:+.3g}%"
-
-
-#: capacity factors within the drop budget that tie on step time: fewer drops, then less memory
+#: capacity factors within the drop budget in step-time order, equal ones: fewer drops, then less memory
 CF_TIEBREAK = [_s("dropped_token_fraction"), _s("peak_memory_bytes")]
 
 
@@ -133,18 +124,20 @@ def _capacity(points):
     for skew, sel in D.groups(points, SKEW).items():
         order = D.ordered(sel, STEP, feasible=feasible, tiebreak=CF_TIEBREAK)
         name = f"capacity_factor.best[skew={_label(skew)}]"
-        dec[name] = Entry(order[0][CF] if order else None, DECISION,
-                          _runner_up(order, lambda p: f"capacity_factor={_label(p[CF])}"))
+        dec[name] = D.decide(order, STEP, CF, alone="the only capacity factor within the drop budget")
         if order:
             met.update(_metrics(name, order[0], {STEP: TIME, "dropped_token_fraction": FRACTION,
                                                  "peak_memory_bytes": MEMORY}))
+        for p in sel:  # what feasibility rests on, every factor's (a change in capacity rounding shows here)
+            met.update(_metrics(f"capacity_factor[skew={_label(skew)},cf={_label(p[CF])}]", p,
+                                {"dropped_token_fraction": FRACTION}))
     return dec, met
 
 
 def _page_size(points):
     order = D.ordered(points, STEP, tiebreak=[_s("peak_memory_bytes")])
     name = "page_size.best"
-    return ({name: Entry(order[0][PAGE], DECISION, _runner_up(order, lambda p: f"{p[PAGE] // 1024}KiB"))},
+    return ({name: D.decide(order, STEP, PAGE)},
             _metrics(name, order[0], {STEP: TIME, "peak_memory_bytes": MEMORY, "page_moves_per_step": COUNT,
                                       "bytes_by_stage.paging": BYTES, "stage_time_s.paging": TIME,
                                       "page_stall_s": TIME}))
@@ -153,8 +146,15 @@ def _page_size(points):
 HEAT_SIMPLEX = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.5, 0.5, 0.0), (0.5, 0.0, 0.5),
                 (0.0, 0.5, 0.5), (0.5, 0.3, 0.2), (1 / 3, 1 / 3, 1 / 3)]
 HEAT_DEFAULT = {ALPHA: 0.5, BETA: 0.3, GAMMA: 0.2}
-#: the secondary metric of the heat weights: fewer page moves (PCIe copies) per step
+#: the order of heat weights with equal step times: fewer page moves (PCIe copies) per step
 HEAT_TIEBREAK = "page_moves_per_step"
+#: configs/heat-drift.toml with two-stage expert sync, where every weighting moves pages and each
+#: its own count: under its allreduce every expert has the same communication heat (one all-reduce
+#: per shard, shared equally), so gamma alone leaves every score equal, nothing is below the cold
+#: level and the heat policies never act (the best weights then "won" by making no page move).
+#: Two-stage sync gives each expert the bytes of its own sync among the replicas that used it (M9,
+#: M18). 30 steps: cold migrations from the 5th heat update (step 4) on, a few seconds in CI.
+HEAT_SET = {"comm.expert_sync": "two_stage", "run.steps": 30}
 
 
 def _heat_label(p: dict) -> str:
@@ -167,10 +167,12 @@ def _heat(points):
     moves = {"page_moves_per_step": COUNT, "moves_by_reason.cold": COUNT, "moves_by_reason.prefetch": COUNT,
              "moves_by_reason.wake": COUNT, "max_frozen_fraction": FRACTION}
     met = _metrics(name, order[0], {STEP: TIME, **moves})
-    # the best weights may leave the heat policies idle: the default weights keep them regression-tested
+    # the seed's default weights, whichever is best
     default = next(q for q in points if all(math.isclose(q[k], v) for k, v in HEAT_DEFAULT.items()))
     met.update(_metrics("heat_weights.default(0.5,0.3,0.2)", default, {STEP: TIME, **moves}))
-    return {name: Entry(_heat_label(order[0]), DECISION, _runner_up(order, _heat_label))}, met
+    for p in points:  # what each weighting makes the policies do
+        met.update(_metrics(f"heat_weights[{_heat_label(p)}]", p, {"page_moves_per_step": COUNT}))
+    return {name: D.decide(order, STEP, _heat_label)}, met
 
 
 def _strategies(points):
@@ -181,15 +183,14 @@ def _strategies(points):
                                     "bytes_by_level.leaf": BYTES, "bytes_by_level.spine": BYTES,
                                     "bytes_by_stage.expert_sync": BYTES})
     met["strategies.slowest_over_best"] = Entry(order[-1][STEP] / order[0][STEP], RATIO)
-    return {"strategies.ranking": Entry([label(p) for p in order], DECISION, _closest(order, label))}, met
+    return {"strategies.ranking": D.decide(order, STEP, label, ranking=True)}, met
 
 
 def _placement(points):
     dec, met = {}, {}
     for ep, sel in D.groups(points, EP).items():
         order = D.ordered(sel, STEP)
-        dec[f"placement.ranking[ep={ep}]"] = Entry([p[PLACE] for p in order], DECISION,
-                                                   _closest(order, lambda p: p[PLACE]))
+        dec[f"placement.ranking[ep={ep}]"] = D.decide(order, STEP, PLACE, ranking=True)
         met.update(_metrics(f"placement.best[ep={ep}]", order[0], {STEP: TIME}))
         met[f"placement.slowest_over_best[ep={ep}]"] = Entry(order[-1][STEP] / order[0][STEP], RATIO)
         for p in sel:
@@ -199,7 +200,8 @@ def _placement(points):
 
 SUITE: list[SuiteSweep] = [
     SuiteSweep(
-        "capacity_factor", "best capacity factor per routing skew (at most 1% of routed slots dropped; 0 = dropless)",
+        "capacity_factor", "best capacity factor per routing skew (at most 1% of routed slots dropped; 0 = dropless; "
+        "equal steps: fewer drops)",
         "configs/quickstart.toml", {"run.steps": 4, "run.warmup_steps": 1}, _capacity,
         axes={SKEW: [0.0, 1.5], CF: [1.0, 1.1, 1.25, 1.5, 2.0, 0.0]}),
     SuiteSweep(
@@ -207,8 +209,8 @@ SUITE: list[SuiteSweep] = [
         "configs/paging-pressure.toml", {"run.steps": 5, "run.warmup_steps": 2}, _page_size,
         axes={PAGE: [4096 * 2 ** i for i in range(7)]}),
     SuiteSweep(
-        "heat_weights", f"best heat weights on a simplex grid (shortest step; ties: fewer {HEAT_TIEBREAK})",
-        "configs/heat-drift.toml", {}, _heat,
+        "heat_weights", f"best heat weights on a simplex grid, two-stage sync (shortest step; equal steps: fewer "
+        f"{HEAT_TIEBREAK})", "configs/heat-drift.toml", HEAT_SET, _heat,
         points=[{ALPHA: a, BETA: b, GAMMA: g} for a, b, g in HEAT_SIMPLEX]),
     SuiteSweep(
         "strategies", "ranking of token strategy x expert sync (shortest step first)",
@@ -228,7 +230,7 @@ def run_suite(output_dir: str | Path | None = None, progress: bool = True, jobs:
               suite: list[SuiteSweep] | None = None) -> dict:
     """Run every sweep of the suite (fresh, into ``output_dir`` or a temporary folder that
     is removed afterwards) and return the current values:
-    ``{"sweeps": {name: definition + base_scenario_hash}, "decisions": {name: Entry},
+    ``{"sweeps": {name: definition + base_scenario_hash}, "decisions": {name: Decision},
     "metrics": {name: Entry}, "wall_s": seconds}``."""
     start = time.perf_counter()
     tmp = None
@@ -260,7 +262,8 @@ def run_suite(output_dir: str | Path | None = None, progress: bool = True, jobs:
 def main(golden: str | Path | None = None, update_golden: bool = False, output_dir: str | Path | None = None,
          progress: bool = True, jobs: int | None = None, out=print) -> int:
     """``testbed regress``: read the golden file first (a missing one is an error before any
-    sweep runs, except with ``update_golden``), run the suite, compare or update."""
+    sweep runs, except with ``update_golden``), run the suite, compare or update
+    (``testbed regress --update`` is the one command that writes the golden file)."""
     path = Path(golden) if golden is not None else GOLDEN
     gold = None if update_golden else load_golden(path)
     current = run_suite(output_dir=output_dir, progress=progress, jobs=jobs)
