@@ -10,7 +10,8 @@ sync x capacity factor x world size (2 and 4 ranks), and the whole transformer (
 dense layers, embeddings, Adam) with an MoE layer every layer or every other one; for every pair of strategies at the
 same world size and capacity factor, measured and simulated speedup and whether the
 simulator orders them the same way (pairs within ``--tie`` are reported, not scored).
-GPU grid (only where CUDA is present): page size (1-64 MB) x heat weights.
+GPU grid (only where CUDA is present, with ``--gpu-profile``, default "local-gpu", made
+by ``testbed calibrate --device cuda``): page size (1-64 MB) x heat weights.
 
 ``--fabric emulated`` (root): 8 ranks on an emulated cluster (``real.network =
 emulated``), 2 per node x 2 nodes x 2 micro-clusters and 4 x 2 x 1, over token strategy x
@@ -21,8 +22,12 @@ step's share from fitted constants; for every pair of points that differ in one 
 measured and simulated speedup, direction and magnitude.
 
 The profile (``--profile``; default "local", emulated "emulated-local") must come from a
-separate ``testbed calibrate`` run on other shapes (its source says which): the points
-judged here are never fitted.
+separate ``testbed calibrate`` run on the same kind of device and network, and is refused
+otherwise (``testbed.sources.check_calibration``; ``--allow-uncalibrated`` judges a
+profile not made by it, and the report says so). Its ``[calibration]`` section lists the
+scenarios whose runs were fitted: a point that shares one's model shape and token count
+is refused (``check_out_of_sample``). The report states what calibration and validation
+do share (``shared_settings``).
 
     testbed calibrate --name local
     python experiments/validate_sim_vs_real.py --quick --json
@@ -47,6 +52,7 @@ from testbed.errors import ScenarioError, run_as_command
 from testbed.links import capacity_by_level
 from testbed.profile import find_profile, load_profile
 from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
+from testbed.sources import calibrated_here, check_calibration, check_out_of_sample, shared_settings
 from testbed.stages import STAGES, TOKEN_STAGES
 from testbed.sweep import Sweep, run_sweep
 from testbed.topology import LEVELS
@@ -107,9 +113,13 @@ def whole_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict, S
     return points
 
 
+def gpus_here() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def gpu_grid(quick: bool, output_dir: str, profile: str) -> list[tuple[dict, Scenario]]:
     """Page size x heat weights on one GPU's worth of ranks (only with CUDA)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpus_here()
     if gpus == 0:
         return []
     pages = ("1MiB", "16MiB") if quick else ("1MiB", "4MiB", "16MiB", "64MiB")
@@ -334,6 +344,11 @@ def main(argv=None) -> int:
                     help="ranks over this machine's loopback (default) or on the emulated cluster (root)")
     ap.add_argument("--profile", default=None, help="calibrated profile name (testbed calibrate --name NAME); "
                     "default local, emulated: emulated-local")
+    ap.add_argument("--gpu-profile", default="local-gpu", help="the GPU grid's profile (testbed calibrate --device "
+                    "cuda --name NAME; default local-gpu); the grid is left out where it is missing")
+    ap.add_argument("--allow-uncalibrated", action="store_true", help="judge a profile not made by testbed "
+                    "calibrate (the report says so); a profile calibrated on another device or network is still "
+                    "refused")
     ap.add_argument("--output-dir", default="runs", help="run folders (finished runs are reused)")
     ap.add_argument("--report", default=None, help="default reports/validation.html (emulated: validation-emulated.html)")
     ap.add_argument("--fresh", action="store_true", help="measure again even where runs exist")
@@ -345,6 +360,22 @@ def main(argv=None) -> int:
     return run_as_command("validate_sim_vs_real", lambda: _run(args), "stopped; rerun to resume")
 
 
+def provenance(grid: str, profile_name: str, points: list[tuple[dict, Scenario]], device: str, fabric: str,
+               allow: bool, flag: str = "--profile", gpu: str = "") -> dict:
+    """Refuse a profile that cannot judge ``points`` (``testbed.sources``) and return the
+    report's statements on it: how it was made, that no point shares a fitted scenario's
+    shape, and what calibration and validation share."""
+    profile = load_profile(profile_name)
+    made = check_calibration(profile, device, fabric, allow, flag, gpu)
+    named = [(f"{_name(label)} x{label['world']}", s) for label, s in points]
+    return {"grid": grid, "profile": profile.name, "made": made, "calibrated": profile.calibration.made_by_calibrate,
+            "out_of_sample": check_out_of_sample(profile, named, flag), "shared": shared_settings(profile, named)}
+
+
+def _missing_profile(flag: str, name: str, how: str) -> ScenarioError:
+    return ScenarioError(flag, name, f"no such profile: run `testbed calibrate{how} --name {name}` first")
+
+
 def _run(args) -> int:
     emulated = args.fabric == "emulated"
     args.profile = args.profile or ("emulated-local" if emulated else "local")
@@ -352,15 +383,28 @@ def _run(args) -> int:
     try:
         profile_path = find_profile(args.profile)
     except ScenarioError:
-        fabric = " --fabric emulated" if emulated else ""
-        raise ScenarioError("--profile", args.profile,
-                            f"no such profile: run `testbed calibrate{fabric} --name {args.profile}` first") from None
+        raise _missing_profile("--profile", args.profile, " --fabric emulated" if emulated else "") from None
+    left_out: list[str] = []
     if emulated:
-        get_tool("net-check")()  # one clear line without root, before any run
         grid = emulated_grid(args.quick, args.output_dir, args.profile)
+        checks = [provenance("emulated grid", args.profile, grid, "cpu", "emulated", args.allow_uncalibrated)]
+        get_tool("net-check")()  # one clear line without root, before any run
     else:
-        grid = (cpu_grid(args.quick, args.output_dir, args.profile) + whole_grid(args.quick, args.output_dir, args.profile)
-                + gpu_grid(args.quick, args.output_dir, args.profile))
+        grid = (cpu_grid(args.quick, args.output_dir, args.profile)
+                + whole_grid(args.quick, args.output_dir, args.profile))
+        checks = [provenance("CPU grids", args.profile, grid, "cpu", "loopback", args.allow_uncalibrated)]
+        if gpus_here():
+            try:
+                find_profile(args.gpu_profile)
+            except ScenarioError:
+                left_out.append(f"the GPU grid: no profile {args.gpu_profile} (testbed calibrate --device cuda "
+                                f"--name {args.gpu_profile})")
+                print(f"left out {left_out[-1]}", file=sys.stderr)
+            else:
+                gpu = gpu_grid(args.quick, args.output_dir, args.gpu_profile)
+                checks.append(provenance("GPU grid", args.gpu_profile, gpu, "cuda", "device", args.allow_uncalibrated,
+                                         "--gpu-profile", torch.cuda.get_device_name()))
+                grid += gpu
     started = time.perf_counter()
     sweep = Sweep.of_scenarios(f"validate-{args.fabric}", [s for _, s in grid], backends=("sim", "real"),
                                repeats=args.repeats)
@@ -379,6 +423,8 @@ def _run(args) -> int:
         pairs = speedups(points, args.tie)
         summary = summarize(points, pairs)
     result = dict(summary, fabric=args.fabric, profile=str(profile_path), points=points, speedup_pairs=pairs,
+                  provenance=checks, allowed_uncalibrated=args.allow_uncalibrated, left_out=left_out,
+                  profile_calibrated_here=calibrated_here(load_profile(args.profile)),
                   tie=args.tie, repeats=args.repeats, wall_s=time.perf_counter() - started,
                   median_run_to_run_spread=statistics.median(p["run_to_run_spread"] for p in points))
     report = (write_emulated_report if emulated else write_validation_report)(result, args.report)

@@ -12,6 +12,9 @@ emulated cluster each in its network namespace) and measure, all at the same tim
 - ``ffn_seconds`` on every rank at once: an expert FFN forward + backward (compute
   contention for cores and memory).
 
+``measure_nccl_latency`` (``testbed calibrate --device cuda``, CUDA only) runs
+``software_latency`` on NCCL ranks, one GPU each.
+
 ``collective_table`` (``testbed collective --backend real``) times one collective kind
 by size as nccl-tests does, on the same ranks (``spawn_ranks``).
 
@@ -49,17 +52,21 @@ TINY_BYTES = 64  # per member: the software cost, not the bytes
 RATE_BYTES = 8 * 2**20  # per direction of a pair in the loopback link-rate benchmark
 
 
-def timed(fn, reps: int, burst: int = 4) -> float:
+def timed(fn, reps: int, burst: int = 4, sync=None) -> float:
     """Seconds per call of ``fn``: the median over ``reps`` bursts of ``burst`` calls issued
     back to back after a barrier, as a training step issues its collectives (a single
-    call after a barrier also pays waking every peer, which back-to-back calls hide)."""
+    call after a barrier also pays waking every peer, which back-to-back calls hide).
+    ``sync`` (CUDA: ``torch.cuda.synchronize``) waits for the device before and after a burst."""
+    sync = sync or (lambda: None)
     fn()
     out = []
     for _ in range(reps):
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(burst):
             fn()
+        sync()
         out.append((time.perf_counter() - t0) / burst)
     return float(np.median(out))
 
@@ -68,10 +75,14 @@ def _groups(world: int) -> list[int]:
     return [g for g in range(2, world + 1) if world % g == 0]
 
 
-def software_latency(rank: int, world: int, reps: int, emulated: bool) -> list[dict]:
+def software_latency(rank: int, world: int, reps: int, emulated: bool, device: str = "cpu") -> list[dict]:
     """Rows (kind, group_size, seconds) of tiny collectives, all groups of a size busy at once.
     Groups are contiguous ranks (a node, then a leaf, ...). The all-to-all is the one a
-    real run on this network uses (``real.comm.Comm``)."""
+    real run on this network uses (``real.comm.Comm``). ``device = "cuda"``: NCCL ranks,
+    the tensors on this rank's GPU, each burst timed to the device's completion."""
+    cuda = device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else None
     layout = Layout(Scenario.from_dict({"cluster": {"gpus_per_node": world, "nodes_per_microcluster": 1,
                                                     "microclusters": 1}, "parallelism": {"ep_size": 1}}))
     comm = Comm(rank, ByteLedger(layout), lambda: "route", p2p_all_to_all=emulated)
@@ -81,7 +92,7 @@ def software_latency(rank: int, world: int, reps: int, emulated: bool) -> list[d
         handles = [dist.new_group(list(m)) for m in groups]  # every rank, same order
         members, pg = groups[rank // g], handles[rank // g]
         me = members.index(rank)
-        x = torch.ones(max(g, TINY_BYTES // 4 // g * g))
+        x = torch.ones(max(g, TINY_BYTES // 4 // g * g), device=dev)
         split = [x.numel() // g] * g
         calls = {
             "all_to_all_v": lambda: comm.all_to_all(x, split, split, members, pg),
@@ -93,7 +104,7 @@ def software_latency(rank: int, world: int, reps: int, emulated: bool) -> list[d
             peer = members[1 - me]
             calls["p2p"] = lambda: comm.p2p([("send" if me == 0 else "recv", x, peer)])
         for kind, fn in calls.items():
-            rows.append({"kind": kind, "group_size": g, "members": members, "seconds": timed(fn, reps)})
+            rows.append({"kind": kind, "group_size": g, "members": members, "seconds": timed(fn, reps, sync=sync)})
     return rows
 
 
@@ -159,6 +170,22 @@ def _calibration_work(rank: int, world: int, report, reps: int, shape: tuple[int
     dist.barrier()
     out["busy_ffn_s"] = ffn_seconds(*shape)  # every rank at once: contention for cores and memory
     return out
+
+
+def _nccl_latency_work(rank: int, world: int, report, reps: int) -> dict:
+    """What one GPU rank of ``testbed calibrate --device cuda`` measures: NCCL's software
+    latency (``software_latency`` on this rank's GPU)."""
+    return {"latency": software_latency(rank, world, reps, emulated=False, device="cuda")}
+
+
+def measure_nccl_latency(world: int, reps: int) -> list[dict]:
+    """``software_latency`` rows of ``world`` NCCL ranks, one GPU each (CUDA only), each
+    row the slowest member's seconds."""
+    results = spawn_ranks(world, _nccl_latency_work, (reps,), device="cuda", what="NCCL latency benchmark")
+    rows = [dict(r) for r in results[0]["latency"]]
+    for i, row in enumerate(rows):
+        row["seconds"] = max(results[k]["latency"][i]["seconds"] for k in results)
+    return rows
 
 
 def _rank_main(rank: int, world: int, store_path: str, q, work, args: tuple, netns: tuple[str, str] | None,

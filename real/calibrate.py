@@ -1,16 +1,20 @@
 """``testbed calibrate``: measure this machine and write a profile the simulator can use.
 
-What is measured stays a measurement; what is fitted is few constants, from scenarios no
-validation judges. Per world size (loopback: 2, 4, ... up to ``--ranks``; emulated: the
-8 ranks of a 2 x 2 x 2 cluster on the emulated fabric of the base profile):
+What is measured stays a measurement; what is fitted is few constants, from scenarios
+listed in the profile's ``[calibration]`` section, against which a validation checks (and
+refuses) its points (``testbed.sources.check_out_of_sample``). Per world size
+(loopback: 2, 4, ... up to ``--ranks``; emulated: the 8 ranks of a 2 x 2 x 2 cluster on
+the emulated fabric of the base profile):
 
 - ``real.bench`` in rank processes: tiny collectives of every kind and group size (the
   library's software latency: ``call_us`` per call plus ``step_us`` per sequential step
   of its algorithm, fitted by least squares over kinds and group sizes), loopback link
   rates (ranks in pairs exchanging large messages at once), compute under contention;
-- in this process: the expert FFN rate by tokens per expert (the efficiency curve and the
-  fp32 peak) at a shape of its own (``FFN_SHAPE``), causal attention's core by sequence
-  length (``SEQ_LENS``; ``compute.efficiency.attention``), and page copies by page size.
+- in this process: the expert FFN rate by tokens per expert (the grouped and loop curves)
+  and a dense GEMM's by rows (the dense curve) at a shape of their own (``FFN_SHAPE``),
+  fp32 (the fp32 peak: the best of them), and the dense GEMM's bf16 and fp16 rates (their
+  peaks); causal attention's core by sequence length (``SEQ_LENS``;
+  ``compute.efficiency.attention``), and page copies by page size.
 
 The link figures of an emulated profile are not touched: its links are shaped at those
 rates, and ``testbed net probe`` measured their latency and protocol overhead. The
@@ -18,8 +22,8 @@ collectives' bytes are always timed by the simulator's network model: no collect
 time table is ever fitted.
 
 Last, the *host cost per stage* (Python, autograd, bookkeeping), which no model above
-sees: calibration scenarios (``calibration_scenarios``: hidden size, tokens and expert
-count unlike any validation point) run on the real backend and on the simulator with the
+sees: calibration scenarios (``calibration_scenarios``: hidden sizes, token counts and
+expert counts of their own) run on the real backend and on the simulator with the
 profile measured so far; the residual per stage per call becomes ``measured.stage_us``,
 a fixed cost per call plus a cost per MB of the stage's data, except for communication
 stages, which get a fixed cost only (a cost per byte there would stand in for the
@@ -31,7 +35,12 @@ to the rows (``sim.software_latency``: a least-squares line in world through the
 measured worlds, one world's constant when only one was measured), counted as fitted.
 Measure the worlds you will simulate (``--ranks``).
 
-The profile records machine, library versions and date, and says how it was made.
+The profile records machine, library versions and date, says how it was made
+(``source``, and ``sources`` for every figure it measured), and what calibration did
+(``[calibration]``: device, network, and every scenario whose runs it fitted), which the
+validation checks (``testbed.sources``).
+
+``--device cuda`` measures a GPU instead (``real.calibrate_gpu``).
 """
 
 from __future__ import annotations
@@ -50,15 +59,17 @@ import numpy as np
 import torch
 
 from real.bench import attention_seconds, ffn_seconds, measure_world, page_touch_us
+from real.device_bench import dense_rate
 from real.launch import usable_cores
 from real.netem import EmulatedFabric
 from testbed.collectives import algorithm_steps
 from testbed.errors import ScenarioError
 from testbed.links import path_latency_s
-from testbed.profile import (Algorithms, CopyFigures, Efficiency, LinkFigures, Links, MachineProfile, Measured,
-                             PeakTflops, load_profile, save_profile)
+from testbed.profile import (CALIBRATE_TOOL, Algorithms, Calibration, CopyFigures, Efficiency, LinkFigures, Links,
+                             MachineProfile, Measured, PeakTflops, load_profile, save_profile)
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
+from testbed.sources import scenario_record
 from testbed.stages import STAGES, TOKEN_STAGES, stage_variant
 from testbed.whole_model import attention_core_flops
 
@@ -91,8 +102,9 @@ def calibration_scenarios(world: int, output_dir: str, fabric: str = "loopback",
     """The scenarios whose stage times give the host costs: every token strategy with
     all-reduce sync, and all-to-all with two-stage sync, each at the two
     ``CALIBRATION_SHAPES`` (2 layers, paging on under a budget of 3/4 of a rank's experts).
-    Loopback: 2 ranks per node, EP 2; emulated: the 2 x 2 x 2 cluster, EP 4. Validation
-    grids use other hidden sizes, token counts and expert counts."""
+    Loopback: 2 ranks per node, EP 2; emulated: the 2 x 2 x 2 cluster, EP 4. They are
+    recorded in the profile (``calibration.scenarios``); a validation refuses any point
+    with one's model shape and token count."""
     combos = [(t, "allreduce") for t in ("alltoall", "allgather", "hierarchical")] + [("alltoall", "two_stage")]
     if fabric == "emulated":
         cluster, ep = dict(EMULATED_CLUSTER), 4
@@ -145,16 +157,30 @@ def fit_software_latency(rows: list[dict], world: int, cluster, profile: Machine
     return {"world": world, "call_us": float(max(call, 0.0) * 1e6), "step_us": float(max(step, 0.0) * 1e6)}
 
 
+def scenario_name(s: Scenario) -> str:
+    """A calibration scenario's name in ``calibration.scenarios``."""
+    m = s.model
+    return (f"{s.comm.token_strategy}/{s.comm.expert_sync} {m.hidden_size}x{m.ffn_hidden_size}x{m.num_experts} "
+            f"{s.workload.tokens_per_rank} tokens{' whole' if s.transformer.enabled else ''} x{s.world_size}")
+
+
 # ---- measurements in this process -----------------------------------------------------------
-def _gemm_curve() -> tuple[float, list[list[float]]]:
-    """(peak FLOP/s, efficiency by tokens) of the expert FFN forward + backward alone."""
+def _gemm_curves() -> dict:
+    """Rates (FLOP/s) on this CPU, forward + backward, at ``FFN_SHAPE``: ``ffn`` (the
+    expert FFN) and ``dense`` (one H x F GEMM) by rows in ``TOKENS``, fp32; and the dense
+    GEMM's ``bf16`` and ``fp16`` rates at ``best_rows``, where its fp32 rate is best."""
     h, f = FFN_SHAPE
-    rates = []
-    for t in TOKENS:
-        flops = 3 * 4.0 * t * h * f  # forward 4 t H F, backward twice that
-        rates.append(flops / ffn_seconds(t, h, f))
-    peak = max(rates)
-    return peak, [[float(t), float(min(1.0, r / peak))] for t, r in zip(TOKENS, rates)]
+    ffn = {t: 3 * 4.0 * t * h * f / ffn_seconds(t, h, f) for t in TOKENS}  # forward 4 t H F, backward twice that
+    cpu = torch.device("cpu")
+    dense = {t: dense_rate(cpu, torch.float32, t, h, f, backward=True) for t in TOKENS}
+    best = max(dense, key=dense.get)
+    return {"ffn": ffn, "dense": dense, "best_rows": best,
+            "bf16": dense_rate(cpu, torch.bfloat16, best, h, f, backward=True),
+            "fp16": dense_rate(cpu, torch.float16, best, h, f, backward=True)}
+
+
+def _efficiency(rates: dict, peak: float) -> tuple[tuple[float, float], ...]:
+    return tuple((float(t), float(min(1.0, r / peak))) for t, r in sorted(rates.items()))
 
 
 def _attention_curve(peak: float) -> list[list[float]]:
@@ -252,19 +278,65 @@ def _host_costs(profile: MachineProfile, world: int, fabric: str, workdir: str, 
 
 
 # ---- the whole calibration ------------------------------------------------------------------
+def _measured_sources(fabric: str, base: str) -> dict[str, str]:
+    """``sources`` entries of the figures a CPU calibration measures (the others keep the
+    base profile's)."""
+    how = f"measured by {CALIBRATE_TOOL} (--fabric {fabric}) on this machine"
+    h, f = FFN_SHAPE
+    out = {
+        "compute.peak_tflops.fp32": f"{how}: the best fp32 rate of the expert FFN and the dense GEMM at H x F = "
+                                    f"{h} x {f}, forward + backward",
+        "compute.peak_tflops.bf16": f"{how}: the fp32 peak x the bf16 / fp32 rate of the dense GEMM (H x F = {h} x "
+                                    f"{f}, forward + backward) at the rows where its fp32 rate is best",
+        "compute.peak_tflops.fp16": f"{how}: the fp32 peak x the fp16 / fp32 rate of the dense GEMM (H x F = {h} x "
+                                    f"{f}, forward + backward) at the rows where its fp32 rate is best",
+        "compute.efficiency.grouped": f"{how}: the expert FFN forward + backward by tokens "
+                                      f"({'/'.join(map(str, TOKENS))}), fp32; the CPU has one kernel, so loop is the "
+                                      "same curve",
+        "compute.efficiency.loop": f"{how}: the same curve as grouped (one kernel on the CPU)",
+        "compute.efficiency.dense": f"{how}: one H x F GEMM forward + backward by rows ({'/'.join(map(str, TOKENS))}), "
+                                    "fp32",
+        "compute.efficiency.attention": f"{how}: causal attention's core forward + backward by sequence length "
+                                        f"({'/'.join(map(str, SEQ_LENS))}), fp32",
+        "compute.host_cores": f"{how}: the cores this process may run on",
+        "copy.table": f"{how}: copies between host buffers by page size",
+        "copy.latency_us": f"{how}: the time of the smallest copy",
+        "copy.overlap": "CPU ranks: copies and compute share the cores, nothing is hidden",
+        "copy.read_page_us": f"{how}: paged reads of 4 KiB pages against whole-expert pages",
+        "copy.update_page_us": f"{how}: paged updates of 4 KiB pages against whole-expert pages",
+        "collectives.algorithm": "gloo: ring all-reduce and all-gather, reduce-scatter as an all-reduce, direct "
+                                 "all-to-all",
+        "measured": f"{how}: library latency, compute contention and host cost per stage (the source above)",
+    }
+    if fabric == "loopback":
+        out["links"] = f"{how}: ranks exchanging 8 MiB in pairs at once (every link the same loopback path)"
+    return out
+
+
 def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str | Path = "profiles",
-              quick: bool = False, fabric: str = "loopback", log=print) -> Path:
+              quick: bool = False, fabric: str = "loopback", log=print, device: str = "cpu") -> Path:
     """Measure this machine and write ``out_dir/NAME.toml``; returns its path.
 
-    ``fabric``: ``loopback`` (ranks over this machine's loopback; worlds 2, 4, ... up to
-    ``ranks``; base profile ``local-cpu``) or ``emulated`` (8 ranks on the emulated
-    2 x 2 x 2 cluster of the base profile, default ``emulated``; needs root)."""
+    ``device``: ``cpu`` (CPU ranks over gloo) or ``cuda`` (this machine's GPU and NCCL,
+    ``real.calibrate_gpu``; base profile ``h200``; loopback only). ``fabric``:
+    ``loopback`` (ranks over this machine's loopback; worlds 2, 4, ... up to ``ranks``;
+    base profile ``local-cpu``) or ``emulated`` (8 ranks on the emulated 2 x 2 x 2
+    cluster of the base profile, default ``emulated``; needs root)."""
+    if device not in ("cpu", "cuda"):
+        raise ScenarioError("--device", device, "expected cpu or cuda")
     if fabric not in ("loopback", "emulated"):
         raise ScenarioError("--fabric", fabric, "expected loopback or emulated")
+    if device == "cuda" and fabric != "loopback":
+        raise ScenarioError("--fabric", fabric, "a GPU calibration measures NCCL over this machine's own GPUs: "
+                            "leave --fabric out")
     if ranks < 2:
         raise ScenarioError("--ranks", ranks, "calibration needs at least 2 ranks")
     if not name or "/" in name:
         raise ScenarioError("--name", name, "expected a plain file name")
+    if device == "cuda":
+        from real.calibrate_gpu import calibrate_cuda  # imports this module: not at the top
+
+        return calibrate_cuda(name, ranks, base or "h200", out_dir, quick, log)
     base = base or ("emulated" if fabric == "emulated" else "local-cpu")
     base_profile = load_profile(base)
     if fabric == "emulated":
@@ -278,7 +350,12 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
     # as one rank of the smallest measured world computes (the launcher gives each rank
     # cores // world threads), so that contention factors compare like with like
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // worlds[0]))
-    peak, curve = _gemm_curve()
+    rates = _gemm_curves()
+    peak = max(max(rates["ffn"].values()), max(rates["dense"].values()))  # fp32: every curve a fraction of it
+    # the 16-bit ceilings: the fp32 peak times the dense GEMM's 16-bit / fp32 rate where fp32 is best,
+    # so that the fp32 curves at those ceilings give the 16-bit rate measured there
+    ceiling = {d: peak * rates[d] / rates["dense"][rates["best_rows"]] for d in ("bf16", "fp16")}
+    curve = _efficiency(rates["ffn"], peak)
     alone = {w: _alone(w) for w in worlds}
     copy_table, copy_latency = _copy_table()
     touch = page_touch_us()  # per-page host cost of reading and updating paged weights
@@ -304,11 +381,14 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
         links = Links(nvlink=rate, nic=rate, spine=rate, pcie=links.pcie)
     how = ("Measured by `testbed calibrate --fabric %s` (real/calibrate.py, real/bench.py): the library's "
            "software latency per call and per algorithm step, fitted to tiny collectives of every kind and group "
-           "size with all groups busy; compute contention per world size; expert FFN rate by tokens (fp32, H x F = "
-           "%d x %d); causal attention's core by sequence length (%s tokens, 4 heads); page copies by size; the host's cost per page of reading and updating paged weights (4 KiB "
-           "against whole-expert pages of 256 KiB experts); %s host cost per stage fitted to calibration scenarios (real minus "
-           "simulated, per call; shapes H x F x tokens x experts %s, each also as a whole transformer of 4 heads, "
-           "sequences of %d and a vocabulary of 384) that no validation point shares."
+           "size with all groups busy; compute contention per world size; expert FFN and dense GEMM rates by "
+           "tokens (fp32, H x F = %d x %d; the dense GEMM's bf16 and fp16 rates for their peaks); causal "
+           "attention's core by sequence length (%s tokens, 4 heads); page copies by size; the host's cost per "
+           "page of reading and updating paged weights (4 KiB against whole-expert pages of 256 KiB experts); %s "
+           "host cost per stage fitted to calibration scenarios (real minus simulated, per call; shapes H x F x "
+           "tokens x experts %s, each also as a whole transformer of 4 heads, sequences of %d and a vocabulary of "
+           "384), every one listed in [calibration] scenarios, against which a validation checks its points. "
+           "[sources] names how each measured figure was taken; the others are the base profile's."
            % (fabric, *FFN_SHAPE, "/".join(map(str, SEQ_LENS)),
               "loopback link rate from ranks exchanging 8 MiB in pairs at once;" if fabric == "loopback"
               else "link rates, latencies and protocol overhead are the base profile's (%s);" % base,
@@ -322,10 +402,10 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
         versions={"torch": torch.__version__, "python": platform.python_version(), "backend": "gloo",
                   "host": platform.node()},
         links=links,
-        compute=replace(base_profile.compute, host_cores=float(len(usable_cores())), peak_tflops=PeakTflops(fp32=peak / 1e12,
-                                                                    bf16=base_profile.compute.peak_tflops.bf16,
-                                                                    fp16=base_profile.compute.peak_tflops.fp16),
-                        efficiency=Efficiency(grouped=tuple(map(tuple, curve)), loop=tuple(map(tuple, curve)),
+        compute=replace(base_profile.compute, host_cores=float(len(usable_cores())),
+                        peak_tflops=PeakTflops(fp32=peak / 1e12, bf16=ceiling["bf16"] / 1e12,
+                                               fp16=ceiling["fp16"] / 1e12),
+                        efficiency=Efficiency(grouped=curve, loop=curve, dense=_efficiency(rates["dense"], peak),
                                               attention=tuple(map(tuple, _attention_curve(peak))))),
         copy=CopyFigures(table=tuple(map(tuple, copy_table)), latency_us=copy_latency, overlap=0.0,
                          read_page_us=touch["read_page_us"], update_page_us=touch["update_page_us"]),
@@ -333,13 +413,18 @@ def calibrate(name: str, ranks: int = 4, base: str | None = None, out_dir: str |
                             algorithm=Algorithms(all_reduce="ring", reduce_scatter="all_reduce",
                                                  all_gather="ring", all_to_all_v="direct")),
         measured=Measured(collective_latency=tuple(latency), compute_scale=tuple(scale), stage_us=()),
+        sources=dict(base_profile.sources, **_measured_sources(fabric, base)),
     )
     host = []
     with tempfile.TemporaryDirectory(prefix="testbed-calibrate-") as tmp:
         for w in worlds:
             log(f"calibrate: host cost per stage with {w} ranks ({time.perf_counter() - started:.0f} s)")
             host += _host_costs(profile, w, fabric, tmp, 12 if quick else 24, log)
-    profile = replace(profile, measured=replace(profile.measured, stage_us=tuple(host)))
+    fitted = tuple(scenario_record(scenario_name(s), s) for w in worlds
+                   for s in calibration_scenarios(w, "runs", fabric, base))
+    profile = replace(profile, measured=replace(profile.measured, stage_us=tuple(host)),
+                      calibration=Calibration(tool=CALIBRATE_TOOL, device="cpu", fabric=fabric, quick=quick,
+                                              scenarios=fitted))
     path = Path(out_dir) / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path)

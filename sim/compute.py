@@ -15,6 +15,11 @@ adding them would count them twice).
 - ``grouped``: one grouped GEMM per matrix for all experts, at the efficiency of the
   mean tokens per expert over all experts passed; max(compute, memory, launches).
 
+Every GEMM names the profile's curve it is timed at (``compute.efficiency``): expert
+GEMMs ``grouped`` or ``loop`` (by tokens per expert, ``scenario.expert_kernel``); the
+router's gate and every dense GEMM of the whole transformer ``dense`` (by rows);
+flash attention's core ``attention`` (by sequence length).
+
 All times in seconds; sizes in bytes; no randomness.
 """
 
@@ -78,19 +83,19 @@ class ComputeModel:
         return np.where(idle, 0.0, seconds * self.scale)
 
     def router_time(self, tokens: int, hidden: int, experts: int) -> float:
-        """Gate GEMM (tokens x H times H x E at the grouped efficiency of ``tokens``, reading
-        the activations, or one launch, whichever is slowest) plus the profile's fixed
-        router cost."""
+        """Gate GEMM (tokens x H times H x E, a dense GEMM: the ``dense`` efficiency of
+        ``tokens`` rows, reading the activations, or one launch, whichever is slowest)
+        plus the profile's fixed router cost."""
         if tokens <= 0:
             return 0.0
         flops = 2.0 * tokens * hidden * experts
-        compute = flops / (self.peak * self.profile.compute.efficiency_at("grouped", tokens))
+        compute = flops / (self.peak * self.profile.compute.efficiency_at("dense", tokens))
         memory = tokens * hidden * self.dtype_bytes / self.memory_bw
         return (max(compute, memory, self.launch) + self.profile.overheads.router_us * 1e-6) * self.scale
 
-    def gemm_time(self, flops, rows: int, kernel: str = "grouped") -> float:
-        """A dense GEMM of ``flops`` over ``rows`` rows at the efficiency the profile gives
-        ``rows`` tokens (``attention``: a sequence of ``rows``), or one launch."""
+    def gemm_time(self, flops, rows: int, kernel: str) -> float:
+        """A GEMM of ``flops`` at the efficiency the profile's ``kernel`` curve gives
+        ``rows`` (``dense``: rows; ``attention``: a sequence of ``rows``), or one launch."""
         if flops <= 0:
             return 0.0
         return max(flops / (self.peak * self.profile.compute.efficiency_at(kernel, rows)), self.launch) * self.scale

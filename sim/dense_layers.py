@@ -6,7 +6,7 @@ it (attention and a dense FFN each). Per rank, on its ``workload.tokens_per_rank
 tokens (sequences of ``transformer.seq_len``):
 
 - GEMMs (Q, K, V, O; the dense FFN's two matrices; the output head) at the efficiency
-  the profile gives a GEMM of that many rows (``compute.efficiency.grouped``, one group);
+  the profile's dense GEMM curve gives that many rows (``compute.efficiency.dense``);
 - flash attention's core, 2 x 2 x s x H FLOPs per token halved by the causal mask, at
   the profile's ``compute.efficiency.attention`` for a sequence of s;
 - the backward twice the forward, and with ``transformer.recompute = full`` the forward
@@ -44,9 +44,9 @@ class DenseLayers:
             return
         self.shape = shape_of(s)
         tokens, h = s.workload.tokens_per_rank, m.hidden_size
-        attention_gemms = compute.gemm_time(2.0 * tokens * self.shape.attention_params, tokens)
+        attention_gemms = compute.gemm_time(2.0 * tokens * self.shape.attention_params, tokens, kernel="dense")
         core = compute.gemm_time(attention_core_flops(tokens, t.seq_len, h), t.seq_len, kernel="attention")
-        ffn = compute.gemm_time(2.0 * tokens * self.shape.dense_ffn_params, tokens)
+        ffn = compute.gemm_time(2.0 * tokens * self.shape.dense_ffn_params, tokens, kernel="dense")
         #: forward seconds of one block: moe_every attentions, moe_every - 1 dense FFNs
         self.block_forward_s = t.moe_every * (attention_gemms + core) + (t.moe_every - 1) * ffn
         recompute = t.recompute == "full"
@@ -60,7 +60,7 @@ class DenseLayers:
         #: activation bytes one block keeps from its forward to its backward
         self.block_activation_bytes = t.moe_every * per_layer
         #: the output head's forward (the embedding is a lookup) and backward seconds
-        self.head_forward_s = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens)
+        self.head_forward_s = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens, kernel="dense")
         self.head_backward_s = 2.0 * self.head_forward_s
         #: logits kept for the loss's backward
         self.head_activation_bytes = tokens * t.vocab_size * m.dtype_bytes

@@ -68,9 +68,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="ranks over loopback (default) or on the emulated cluster (root)")
     cal.add_argument("--ranks", type=int, default=4, help="loopback: largest number of ranks to measure with (default 4)")
     cal.add_argument("--base", default=None,
-                     help="profile whose link figures are kept (default local-cpu; emulated: emulated)")
+                     help="profile whose link figures are kept (default local-cpu; emulated: emulated; cuda: h200)")
     cal.add_argument("--output-dir", default="profiles", help="where the profile goes (default ./profiles)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about half the time)")
+    cal.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="cpu: CPU ranks over gloo (default); cuda: this machine's GPU and NCCL (base profile h200)")
     cal.set_defaults(func=_cmd_calibrate)
 
     fld = sub.add_parser("fields", help="list every scenario field with its default and meaning, by section")
@@ -203,7 +205,7 @@ def _cmd_report(args) -> int:
 def _cmd_calibrate(args) -> int:
     calibrate = get_tool("calibrate")  # found by name, like a backend: testbed never imports real
     path = calibrate(args.name, ranks=args.ranks, base=args.base, out_dir=args.output_dir, quick=args.quick,
-                     fabric=args.fabric, log=lambda line: print(line, file=sys.stderr))
+                     fabric=args.fabric, log=lambda line: print(line, file=sys.stderr), device=args.device)
     print(path)
     return 0
 

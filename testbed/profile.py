@@ -8,8 +8,10 @@ dataclasses below; ``field_docs()`` lists them):
 
 - top level: name, description, source, machine, date, ``[versions]`` (free strings);
 - ``[links.nvlink|nic|spine|pcie]``: bandwidth per direction and latency per link (M21);
-- ``[compute]``: peak FLOP/s per dtype, efficiency curves of expert GEMMs by tokens per
-  expert for the grouped and the per-expert loop kernel (M22), memory bandwidth, launch;
+- ``[compute]``: peak FLOP/s per dtype; efficiency curves, one per kind of GEMM (M22):
+  expert GEMMs by tokens per expert for the grouped and the per-expert loop kernel, dense
+  GEMMs (attention projections, dense FFNs, output head, router gate) by rows, and flash
+  attention's core by sequence length; memory bandwidth, launch;
 - ``[copy]``: host<->device copy bandwidth by page size, per-copy latency, overlap;
 - ``[collectives]``: algorithm per collective kind (or ``auto``: the least predicted
   time, as NCCL's tuner picks), channels, PXN and switch-side reduction capabilities
@@ -17,7 +19,12 @@ dataclasses below; ``field_docs()`` lists them):
   communicator creation (M10), discovery;
 - ``[protocol]`` (optional): what the transport adds on the wire (headers, acknowledgements),
   for links whose figures are wire rates (an emulated cluster's shaped links);
-- ``[overheads]``: heat-map update and router fixed costs.
+- ``[overheads]``: heat-map update and router fixed costs;
+- ``[sources]`` (optional): where each figure comes from, by dotted key (an entry for a
+  section covers the keys in it); built-in GPU profiles give one for every figure;
+- ``[measured]`` and ``[calibration]`` (optional, written by ``testbed calibrate``): what it
+  measured, and what it did (device, network, the scenarios whose runs it fitted), so a
+  validation can check that it judges only points calibration never saw.
 
 Lookup (``load_profile``): an existing file path, else ``./profiles/NAME.toml`` (user or
 calibrated profiles, relative to the current directory), else the built-in
@@ -53,6 +60,10 @@ ALGORITHMS = {
 #: algorithms that need a capability of the profile: algorithm -> collectives flag
 NEEDS = {"nvls": "nvls", "collnet": "collnet"}
 MiB = 2**20
+#: the kinds of GEMM a profile gives an efficiency curve for (``compute.efficiency``)
+GEMM_KINDS = ("grouped", "loop", "dense", "attention")
+#: what ``testbed calibrate`` writes as ``calibration.tool``
+CALIBRATE_TOOL = "testbed calibrate"
 
 
 # ---- field declarations --------------------------------------------------------------
@@ -66,6 +77,10 @@ def _optional_num(doc: str, default: float, check: Callable[[float], str | None]
 
 def _optional_int(doc: str, default: int, check: Callable[[float], str | None] = non_negative):
     return field(default=default, metadata={"doc": doc, "kind": "int", "check": check, "optional": True})
+
+
+def _optional_text(doc: str, default: str = "", choices: tuple[str, ...] = ()):
+    return field(default=default, metadata={"doc": doc, "kind": "str", "choices": choices, "optional": True})
 
 
 def _flag(doc: str, default: bool = False):
@@ -133,18 +148,21 @@ class PeakTflops:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fraction of peak reached by expert GEMMs, by tokens per expert (M22).
+    """Fraction of peak reached by each kind of GEMM (M22), one curve per kind, each named
+    where it is used (``sim.compute``): points are (x, efficiency), interpolated in log(x)
+    and clamped at both ends. No curve has a default: a profile states every one (and its
+    source in ``[sources]``)."""
 
-    Points are (tokens per expert, efficiency), interpolated in log(tokens) and clamped
-    at both ends.
-    """
-
-    grouped: tuple[tuple[float, float], ...] = _curve("grouped GEMM: (tokens per expert, fraction of peak)", efficiency)
-    loop: tuple[tuple[float, float], ...] = _curve("one GEMM per expert: (tokens per expert, fraction of peak)", efficiency)
-    # the whole transformer (issue 13): flash attention's core (scores and weighted values)
-    attention: tuple[tuple[float, float], ...] = field(default=((512.0, 0.35), (8192.0, 0.55)), metadata={
-        "doc": "flash attention's core: (sequence length, fraction of peak); an assumption (0.35 at 512 tokens, "
-               "0.55 at 8,192) unless measured", "kind": "curve", "check": efficiency, "optional": True})
+    grouped: tuple[tuple[float, float], ...] = _curve(
+        "expert GEMMs as one grouped GEMM: (tokens per expert, fraction of peak)", efficiency)
+    loop: tuple[tuple[float, float], ...] = _curve(
+        "expert GEMMs as one GEMM per expert: (tokens per expert, fraction of peak)", efficiency)
+    dense: tuple[tuple[float, float], ...] = _curve(
+        "dense GEMMs (attention's Q, K, V and O projections, dense FFNs, the output head, the router's gate): "
+        "(rows, i.e. tokens of the rank, fraction of peak)", efficiency)
+    attention: tuple[tuple[float, float], ...] = _curve(
+        "flash attention's core (scores and weighted values, forward and backward): (sequence length, "
+        "fraction of peak)", efficiency)
 
 
 @dataclass(frozen=True)
@@ -152,7 +170,7 @@ class ComputeFigures:
     """Roofline figures of one GPU (or one CPU rank)."""
 
     peak_tflops: PeakTflops = _section(PeakTflops, "matmul ceilings per dtype")
-    efficiency: Efficiency = _section(Efficiency, "expert GEMM efficiency curves")
+    efficiency: Efficiency = _section(Efficiency, "GEMM efficiency curves, one per kind of GEMM")
     memory_GBps: float = _num("device memory bandwidth, bytes read + written per s / 1e9")
     device_memory_GB: float = _num("device memory of one GPU (one CPU rank's share on CPU), 1e9 bytes")
     launch_us: float = _num("fixed cost of one kernel launch (one op on CPU), us", non_negative)
@@ -169,10 +187,10 @@ class ComputeFigures:
         return getattr(self.peak_tflops, dtype) * 1e12
 
     def efficiency_at(self, kernel: str, tokens):
-        """Fraction of peak of ``kernel`` (grouped, loop) at ``tokens`` per expert, or of
-        ``attention`` at a sequence of ``tokens``."""
-        if kernel not in ("grouped", "loop", "attention"):
-            raise ValueError(f"unknown kernel {kernel!r} (grouped, loop or attention)")
+        """Fraction of peak of ``kernel`` (``GEMM_KINDS``): grouped or loop at ``tokens``
+        per expert, dense at ``tokens`` rows, attention at a sequence of ``tokens``."""
+        if kernel not in GEMM_KINDS:
+            raise ValueError(f"unknown kernel {kernel!r} ({', '.join(GEMM_KINDS)})")
         return _log_interp(tokens, getattr(self.efficiency, kernel))
 
 
@@ -318,6 +336,34 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What ``testbed calibrate`` did to make this profile (absent in built-in profiles):
+    enough for a validation to refuse a profile made otherwise, one measured on another
+    kind of device or network, and points that share a shape with what was fitted."""
+
+    tool: str = _optional_text(f"the program that made the profile: {CALIBRATE_TOOL!r}; empty: not calibrated")
+    device: str = _optional_text("where the compute figures were measured: cpu (CPU ranks) or cuda (a GPU); "
+                                 "empty: not calibrated", "", ("", "cpu", "cuda"))
+    fabric: str = _optional_text("the network the ranks measured over: loopback or emulated (CPU ranks over gloo), "
+                                 "device (GPU ranks over the machine's own interconnect, NCCL); empty: not "
+                                 "calibrated", "", ("", "loopback", "emulated", "device"))
+    gpu: str = _optional_text("the GPU the figures were measured on (torch.cuda.get_device_name); empty on CPU")
+    quick: bool = _flag("measured with --quick (fewer sizes and repetitions)")
+    scenarios: tuple = _rows(
+        "every scenario whose real runs calibration fitted (the host cost per stage): its name, cluster (world, "
+        "gpus_per_node x nodes_per_microcluster x microclusters, ep_size), model shape (hidden, ffn_hidden, "
+        "num_experts, top_k, num_layers, dtype), tokens_per_rank, seq_len (0: the MoE stack alone) and strategies",
+        name=str, world=int, gpus_per_node=int, nodes_per_microcluster=int, microclusters=int, ep_size=int,
+        hidden=int, ffn_hidden=int, num_experts=int, top_k=int, num_layers=int, dtype=str, tokens_per_rank=int,
+        seq_len=int, token_strategy=str, expert_sync=str)
+
+    @property
+    def made_by_calibrate(self) -> bool:
+        """The profile says it was written by ``testbed calibrate``."""
+        return self.tool == CALIBRATE_TOOL
+
+
+@dataclass(frozen=True)
 class MachineProfile:
     """Everything the simulator needs to know about one machine type."""
 
@@ -336,6 +382,23 @@ class MachineProfile:
         "doc": "transport overhead on the wire (optional)", "kind": "section", "cls": Protocol, "optional": True})
     measured: Measured = field(default_factory=Measured, metadata={
         "doc": "what testbed calibrate measured (optional)", "kind": "section", "cls": Measured, "optional": True})
+    calibration: Calibration = field(default_factory=Calibration, metadata={
+        "doc": "what testbed calibrate did (optional; absent: not calibrated)", "kind": "section",
+        "cls": Calibration, "optional": True})
+    sources: dict = field(default_factory=dict, metadata={
+        "doc": "where each figure comes from: dotted key (or a section, for every key in it) = its source (a "
+               "file and entry, a document, a measurement) or 'assumed' and why (optional)", "kind": "strmap",
+        "optional": True})
+
+    def source_of(self, key: str) -> str:
+        """The ``sources`` entry of dotted ``key``, or of the nearest section holding it;
+        empty when there is none."""
+        parts = key.split(".")
+        for n in range(len(parts), 0, -1):
+            entry = self.sources.get(".".join(parts[:n]))
+            if entry:
+                return entry
+        return ""
 
     def to_dict(self) -> dict:
         """Plain TOML-ready mapping (curves as lists of [x, y])."""

@@ -29,6 +29,7 @@ from testbed.validation_report import (
     _ms,
     identity_axes,
     miss_reason,
+    out_of_sample_note,
     profile_section,
     scatter_figure,
     sources_note,
@@ -130,7 +131,8 @@ def write_emulated_report(result: dict, output: str | Path) -> Path:
             "measured) / measured of the median step. Wire bytes: measured from the kernel's counters of every "
             "link, simulated from the flow model with the profile's protocol overhead, both summed over the "
             "directed links of a level. Network share: the measured time of the stages that are collectives. "
-            "Speedups: time of a / time of b for every two points one knob apart.\n\n" + sources_note(result)
+            "Speedups: time of a / time of b for every two points one knob apart."
+            + (" " + out_of_sample_note(result) if result.get("provenance") else "") + "\n\n" + sources_note(result)
             + " Times in milliseconds everywhere, wire bytes in MiB (2^20 bytes); an axis marked \"log scale\" is "
             "logarithmic because its values span more than 10x. Stages have the colours of every testbed report, "
             "link levels one colour each (simulated hatched).")

@@ -25,33 +25,13 @@ from testbed.html_page import (
     write_page,
 )
 from testbed.profile import load_profile
-from testbed.stages import STAGES
+from testbed.stages import STAGES, TOKEN_STAGES
 
 #: where the simulated side's routing comes from, in every validation report
 ROUTING_SOURCE = "the simulator replays each real run's routing (its routing.npz), so both sides route the same tokens"
 
-#: what a large error in a stage usually means, for the reader of a missed point
-WHY = {
-    "route": "router host work and the counts all-gather: Python time under CPU contention and the library's "
-             "per-call latency vary more than the fitted host cost and latency say",
-    "paging": "page copies and replica refreshes carry per-page host costs the model averages",
-    "dispatch": "all-to-all: TCP shares the links less evenly than the max-min model, and each message's software "
-                "cost grows when the rank's core is busy with other ranks' compute",
-    "combine": "all-to-all: TCP shares the links less evenly than the max-min model, and each message's software "
-               "cost grows when the rank's core is busy with other ranks' compute",
-    "combine_backward": "backward all-to-all plus autograd work that the fixed host cost per call does not follow",
-    "dispatch_backward": "backward all-to-all plus autograd work that the fixed host cost per call does not follow",
-    "experts": "expert GEMMs: the per-expert loop's Python overhead grows with experts per rank, and the kernel's "
-               "network processing takes CPU time the core-sharing model does not count",
-    "experts_backward": "expert GEMMs: the per-expert loop's Python overhead grows with experts per rank, and the "
-                        "kernel's network processing takes CPU time the core-sharing model does not count",
-    "route_backward": "router backward and autograd bookkeeping",
-    "expert_sync": "group creation and small reduce-scatter / all-gather calls (two-stage) or the all-reduce's "
-                   "pipelining, which the ring model times as one fluid transfer",
-    "dense_sync": "the first collective after the backward also absorbs waiting for the slowest rank (stragglers)",
-    "optimizer": "per-page host work of the weight update",
-    "heat": "heat-map update host work",
-}
+#: stages whose work is a collective (a fitted host cost there adds to the network model's time)
+COLLECTIVE_STAGES = TOKEN_STAGES + ("expert_sync", "dense_sync")
 
 
 def _fraction(x) -> str:
@@ -139,12 +119,29 @@ def _label(p: dict) -> str:
 
 
 def miss_reason(p: dict, threshold: float) -> str:
-    """Which stage is off, by how much and why, for a point whose error exceeds ``threshold``."""
+    """For a point whose step error exceeds ``threshold``: the stage most off, by how much,
+    its share of the stages' summed |error|, the next stage, and the step's error against
+    its run-to-run spread, all from the point's own stage times."""
     if abs(p["rel_error"]) <= threshold or not p["worst_stage"]:
         return ""
-    st = p["stages"][p["worst_stage"]]
-    return (f"{p['worst_stage']} off by {st['error_s'] * 1e3:+.2f} ms "
-            f"({_ms(st['simulated_s'])} vs {_ms(st['measured_s'])}): {WHY.get(p['worst_stage'], '')}")
+    stages = p["stages"]
+    worst = p["worst_stage"]
+    st = stages[worst]
+    gross = sum(abs(e["error_s"]) for e in stages.values())
+    if gross <= 0:
+        return f"no stage is off: the step's {100 * p['rel_error']:+.1f}% lies outside the stage times"
+    side = "simulated longer" if st["error_s"] > 0 else "simulated shorter"
+    text = (f"{worst} off by {st['error_s'] * 1e3:+.2f} ms ({_ms(st['simulated_s'])} vs {_ms(st['measured_s'])} ms, "
+            f"{side}"
+            + (f", {100 * st['error_s'] / st['measured_s']:+.0f}% of the stage" if st["measured_s"] > 0 else "")
+            + f"): {100 * abs(st['error_s']) / gross:.0f}% of the stages' summed |error| of {gross * 1e3:.2f} ms")
+    rest = sorted((s for s in stages if s != worst and stages[s]["error_s"]), key=lambda s: -abs(stages[s]["error_s"]))
+    if rest:
+        text += f"; next {rest[0]} {stages[rest[0]]['error_s'] * 1e3:+.2f} ms"
+    spread = p.get("run_to_run_spread")
+    if spread is not None:
+        text += (f"; step error {100 * p['rel_error']:+.1f}% against a run-to-run spread of {100 * spread:.1f}%")
+    return text
 
 
 def calibrated_here(result: dict) -> str | None:
@@ -163,10 +160,49 @@ def sources_note(result: dict) -> str:
     return (f"Machine profile: {name}" + (f" ({here})" if here else "") + f". Routing source: {ROUTING_SOURCE}.")
 
 
+def fitted_figures(profile) -> list[str]:
+    """What ``profile`` holds that was fitted (``measured``), one sentence each, computed
+    from its rows; empty when nothing was."""
+    m = profile.measured
+
+    def worlds(rows) -> str:
+        return ", ".join(str(w) for w in sorted({r["world"] for r in rows}))
+
+    out = []
+    if m.collective_latency:
+        out.append(f"library latency per call and per algorithm step at worlds {worlds(m.collective_latency)} "
+                   "(measured.collective_latency; the bytes are timed by the network model)")
+    if m.compute_scale:
+        out.append(f"compute contention at worlds {worlds(m.compute_scale)} (measured.compute_scale)")
+    if m.stage_us:
+        comm = sorted({r["stage"] for r in m.stage_us if r["stage"] in COLLECTIVE_STAGES})
+        out.append(f"host cost per stage call, {len(m.stage_us)} entries at worlds {worlds(m.stage_us)} "
+                   "(measured.stage_us)" + (f", of which the collective stages {', '.join(comm)} add a fixed cost "
+                                            "per call to the network model's time" if comm else ""))
+    return out
+
+
+def provenance_rows(result: dict) -> list[list[str]]:
+    """The report's statements on how each profile was made and what calibration and
+    validation share, as the experiment computed them (``testbed.sources``); none when the
+    result does not carry them."""
+    rows = []
+    for entry in result.get("provenance", []):
+        rows.append([f"{entry['grid']}: how the profile was made", entry["made"]])
+        rows.append([f"{entry['grid']}: out of sample", entry["out_of_sample"]])
+        shared = entry.get("shared") or []
+        rows.append([f"{entry['grid']}: shared by calibration and validation",
+                     "; ".join(shared) if shared else "nothing recorded (the profile has no calibration record)"])
+    if result.get("left_out"):
+        rows.append(["left out", "; ".join(result["left_out"])])
+    return rows
+
+
 def profile_section(result: dict) -> str:
     """The profile the simulator used, how it was made (calibration shapes included),
-    whether it was calibrated on this machine, the routing source, its fitted library
-    latency, and the shapes the validation points used."""
+    whether it was calibrated on this machine, the routing source, what calibration and
+    validation share (computed), its fitted figures, and the shapes the validation
+    points used."""
     profile = load_profile(result["profile"])
     prof_rows = [["name", profile.name], ["machine", profile.machine], ["date", profile.date],
                  ["versions", ", ".join(f"{k} {v}" for k, v in profile.versions.items())],
@@ -174,13 +210,22 @@ def profile_section(result: dict) -> str:
     if calibrated_here(result) is not None:
         prof_rows.append(["calibrated on this machine", "yes" if result["profile_calibrated_here"] else "no"])
     prof_rows.append(["routing source", ROUTING_SOURCE])
+    prof_rows += provenance_rows(result)
+    fitted = fitted_figures(profile)
+    prof_rows.append(["fitted figures", "; ".join(fitted) if fitted else "none (nothing in measured)"])
     measured = [[r["world"], f"{r['call_us']:.0f}", f"{r['step_us']:.0f}"] for r in profile.measured.collective_latency]
     shapes = sorted({p["shape"] for p in result["points"] if p.get("shape")})
     return (table_html(["", ""], prof_rows)
             + "<h3>Validation shapes (hidden x ffn x tokens per rank x experts)</h3>"
             + table_html(["shape", "points"], [[sh, sum(p.get("shape") == sh for p in result["points"])] for sh in shapes])
-            + "<h3>Fitted library latency (the only fitted collective figures; bytes are timed by the network model)</h3>"
-            + table_html(["world", "us per call", "us per algorithm step"], measured))
+            + ("<h3>Fitted library latency (measured.collective_latency; bytes are timed by the network model)</h3>"
+               + table_html(["world", "us per call", "us per algorithm step"], measured) if measured else ""))
+
+
+def out_of_sample_note(result: dict) -> str:
+    """The page note's sentence on how the profile was made and whether the points are out
+    of sample, as computed for this result; empty when the result does not say."""
+    return " ".join(f"{e['made']} {e['out_of_sample']}" for e in result.get("provenance", []))
 
 
 def write_validation_report(result: dict, output: str | Path) -> Path:
@@ -203,8 +248,8 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
     profile = load_profile(result["profile"])
     note = ("Each point ran on the real backend (measured) and on the simulator replaying that run's routing "
             "with the profile below (simulated); error = (simulated - measured) / measured of the median step "
-            "time. The profile was calibrated in a separate run (testbed calibrate); none of these points was "
-            "used to fit it. Speedup pairs whose measured times differ by less than the tie threshold are shown "
+            "time. " + (out_of_sample_note(result) + " " if result.get("provenance") else "")
+            + "Speedup pairs whose measured times differ by less than the tie threshold are shown "
             "but not scored.\n\n" + sources_note(result) + " Times in milliseconds everywhere; an axis marked "
             "\"log scale\" is logarithmic because its values span more than 10x. Stages have the colours of every "
             "testbed report.")

@@ -7,12 +7,13 @@ from sim.compute import ComputeModel
 from testbed.profile import MiB, load_profile, profile_from_dict
 
 
-def profile(grouped=((1, 0.5), (10_000, 0.5)), loop=((10, 0.1), (1000, 0.9)),
-            bf16=100.0, memory=1000.0, launch_us=1.0):
+def profile(grouped=((1, 0.5), (10_000, 0.5)), loop=((10, 0.1), (1000, 0.9)), dense=((1, 0.5), (10_000, 0.5)),
+            attention=((512, 0.35), (8192, 0.55)), bf16=100.0, memory=1000.0, launch_us=1.0):
     d = load_profile("h200").to_dict()
     d["compute"].update(memory_GBps=memory, launch_us=launch_us)
     d["compute"]["peak_tflops"]["bf16"] = bf16
-    d["compute"]["efficiency"] = {"grouped": [list(p) for p in grouped], "loop": [list(p) for p in loop]}
+    d["compute"]["efficiency"] = {k: [list(p) for p in v] for k, v in
+                                  {"grouped": grouped, "loop": loop, "dense": dense, "attention": attention}.items()}
     d["copy"].update(table=[[1, 10.0], [4, 20.0]], latency_us=3.0)
     d["overheads"]["router_us"] = 30.0
     return profile_from_dict(d, "test")
@@ -78,3 +79,30 @@ def test_bad_arguments():
         ComputeModel(profile(), "fp8")
     with pytest.raises(ValueError):
         ComputeModel(profile(), "bf16").expert_time([4], 8, 8, kernel="bmm")
+
+
+def test_dense_gemms_and_the_router_gate_are_timed_at_the_dense_curve(tmp_path):
+    """Dense GEMMs (attention projections, dense FFNs, the head) and the router's gate are
+    timed at compute.efficiency.dense, not at the expert grouped-GEMM curve."""
+    from sim.dense_layers import DenseLayers
+    from testbed.profile import save_profile
+    from testbed.scenario import Scenario
+    from testbed.whole_model import attention_core_flops, shape_of
+
+    p = profile(grouped=((1, 0.5), (10_000, 0.5)), dense=((1, 0.25), (10_000, 0.25)),
+                attention=((1, 0.1), (10_000, 0.1)), launch_us=0.0)
+    c = ComputeModel(p, "bf16")
+    assert c.gemm_time(1e12, 4096, "dense") == pytest.approx(1e12 / (100e12 * 0.25))
+    assert c.gemm_time(1e12, 4096, "grouped") == pytest.approx(1e12 / (100e12 * 0.5))
+    # the gate: 2 x 4096 tokens x 8192 x 64 = 4.3 GFLOP at 25 TFLOP/s = 171.8 us (memory: 67 MB at 1000 GB/s = 67 us)
+    assert c.router_time(4096, 8192, 64) == pytest.approx(2 * 4096 * 8192 * 64 / 25e12 + 30e-6)
+    s = Scenario.from_dict({
+        "model": {"hidden_size": 256, "ffn_hidden_size": 512, "num_experts": 8, "dtype": "bf16"},
+        "cluster": {"profile": str(save_profile(p, tmp_path / "p.toml"))},
+        "workload": {"tokens_per_rank": 512},
+        "transformer": {"enabled": True, "num_heads": 4, "seq_len": 128, "vocab_size": 1000, "moe_every": 2}})
+    d, shape = DenseLayers(s, c), shape_of(s)
+    dense = 100e12 * 0.25
+    attention = 2 * 512 * shape.attention_params / dense + attention_core_flops(512, 128, 256) / (100e12 * 0.1)
+    assert d.block_forward_s == pytest.approx(2 * attention + 2 * 512 * shape.dense_ffn_params / dense)
+    assert d.head_forward_s == pytest.approx(2 * 512 * 256 * 1000 / dense)

@@ -175,3 +175,93 @@ def test_save_round_trips_exactly(tmp_path, name):
 def test_profile_module_needs_no_simulator():
     code = "import sys, testbed.profile; assert 'simpy' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+# ---- every figure in the file, with its source (issue 22, item 14) ---------------------
+#: keys a profile need not state: its labels, what calibration measured and did, a retired key
+NOT_FIGURES = ("name", "description", "source", "machine", "date", "versions", "sources", "measured.", "calibration.",
+               "collectives.discovery_us")
+#: words an entry of [sources] cites a source with, else it says "assumed"
+CITES = ("measured", "spec", "h200-ceilings.json", "docs/", "nccl")
+
+
+def test_no_gemm_curve_has_a_hidden_default(tmp_path):
+    """Every kind of GEMM names its curve, and a profile must state each one."""
+    for kind in ("attention", "dense", "grouped", "loop"):
+        err = _broken(tmp_path, lambda d: d["compute"]["efficiency"].pop(kind))
+        assert err.field == f"profile h200: compute.efficiency.{kind}" and "missing" in err.reason
+
+
+@pytest.mark.parametrize("name", ["h200", "a100-seed"])
+def test_every_figure_of_a_builtin_gpu_profile_is_in_its_file_with_a_source(name):
+    import tomllib
+
+    raw = tomllib.loads(find_profile(name).read_text())
+    p = load_profile(name)
+
+    def stated(key):
+        node = raw
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    keys = [k for k, _ in field_docs() if not any(k == n or k.startswith(n) for n in NOT_FIGURES)]
+    assert "compute.efficiency.attention" in keys and "compute.block_half_width" in keys
+    missing = [k for k in keys if not stated(k)]
+    assert not missing, f"{name} leaves these to a default: {missing}"
+    unsourced = [k for k in keys if not p.source_of(k)]
+    assert not unsourced, f"{name} gives no source for {unsourced}"
+    vague = [k for k in keys if "assumed" not in p.source_of(k) and not any(w in p.source_of(k).lower() for w in CITES)]
+    assert not vague, f"{name}: neither a source nor 'assumed' for {vague}"
+
+
+def test_h200_dense_gemms_are_the_measured_matmuls(repo_root):
+    import json
+
+    ceilings = json.loads((repo_root / "benchmarks" / "h200-ceilings.json").read_text())
+    c = load_profile("h200").compute
+    for rows in (8192, 16384):
+        tflops = c.efficiency_at("dense", rows) * c.peak_tflops.bf16
+        assert tflops == pytest.approx(ceilings[f"mm_bf16_{rows}_tflops"], rel=1e-3)
+    cited = load_profile("h200").source_of("compute.efficiency.dense")
+    assert "mm_bf16_8192_tflops" in cited and "mm_bf16_16384_tflops" in cited
+    assert c.efficiency_at("dense", 1024) == c.efficiency_at("dense", 8192)  # clamped below, and the source says so
+    assert "assumed" in cited
+
+
+def test_a100_seed_is_one_part_the_40gb_sxm4():
+    """Capacity, memory bandwidth and labels of the A100 SXM4 40GB (NVIDIA's datasheet:
+    40 GB HBM2 at 1,555 GB/s; the 80 GB part has 2,039 GB/s)."""
+    a = load_profile("a100-seed")
+    assert a.compute.device_memory_GB == 40.0
+    assert a.compute.memory_GBps <= 1555.0  # achieved, below the 40GB part's spec
+    for text in (a.description, a.machine):
+        assert "40GB" in text and "80GB" not in text
+    assert "2,039" not in a.source_of("compute.memory_GBps") and "1,555" in a.source_of("compute.memory_GBps")
+    assert "80GB" not in a.source and "A100 SXM4 40GB" in a.source_of("compute.device_memory_GB")
+
+
+def test_the_calibration_record_round_trips_and_builtins_have_none(tmp_path):
+    from dataclasses import replace
+
+    from testbed.profile import CALIBRATE_TOOL, Calibration
+
+    for name in BUILTINS:
+        cal = load_profile(name).calibration
+        assert not cal.made_by_calibrate and cal.scenarios == ()
+    row = {"name": "a", "world": 2, "gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 1,
+           "ep_size": 2, "hidden": 96, "ffn_hidden": 192, "num_experts": 12, "top_k": 2, "num_layers": 2,
+           "dtype": "fp32", "tokens_per_rank": 256, "seq_len": 0, "token_strategy": "alltoall",
+           "expert_sync": "allreduce"}
+    p = replace(load_profile("local-cpu"), calibration=Calibration(tool=CALIBRATE_TOOL, device="cpu",
+                                                                   fabric="loopback", quick=True, scenarios=(row,)))
+    q = load_profile(save_profile(p, tmp_path / "cal.toml"))
+    assert q == p and q.calibration.made_by_calibrate and q.calibration.scenarios == (row,)
+    docs = dict(field_docs())
+    assert "calibration.scenarios" in docs and "sources" in docs
+    err = _broken(tmp_path, lambda d: d.update(calibration={"tool": CALIBRATE_TOOL, "device": "tpu"}))
+    assert err.field == "profile h200: calibration.device" and "cuda" in err.reason
+    err = _broken(tmp_path, lambda d: d.update(calibration={"scenarios": [{"name": "a", "world": 2}]}))
+    assert err.field == "profile h200: calibration.scenarios[0]" and "tokens_per_rank" in err.reason
