@@ -45,8 +45,8 @@ from sim.network import Network
 from sim.phases import PhaseBuilder, StepDecisions
 from sim.probe import ModelledProbe
 from sim.flow_executor import run_flows
-from sim.schedule import WarmStart, run_analytic
-from sim.software_latency import stage_host_seconds
+from sim.schedule import WarmStart, copy_timer, run_analytic
+from sim.software_latency import compute_scale_fitted, stage_host_seconds
 from sim.step_report import figures, trace_events
 
 TRACE_RANKS = 16  # GPUs shown in the Chrome trace
@@ -91,14 +91,17 @@ class ClusterSim:
         cores = int(profile.compute.host_cores)
         #: CPU cores shared by the ranks (flow model only; analytic mode scales compute instead)
         self.cores = CorePool(self.env, cores) if cores > 0 and self.mode == "flow" else None
+        self.copy_latency = profile.copy.latency_us * 1e-6
+        shared = self.cores is not None
         self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype, s.world_size,
-                                                                 shared_cores=self.cores is not None),
-                                    profile.collectives.group_create_ms * 1e-3, profile.copy.overlap > 0,
+                                                                 shared_cores=shared),
+                                    profile.collectives.group_create_ms * 1e-3, profile.copy.overlap,
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
-                                    host_s=stage_host_seconds(profile, s))
+                                    host_s=stage_host_seconds(profile, s),
+                                    copy_time=copy_timer(self.fabric, s.world_size, self.copy_latency),
+                                    scale_fitted=compute_scale_fitted(profile, s.world_size, shared))
         self.faults = Faults(s, self.fabric)
         self.probe = ModelledProbe(s, self.controller, self.builder.compute, s.sim.expert_kernel)  # M20
-        self.copy_latency = profile.copy.latency_us * 1e-6
         self.clock = 0.0
         self.events = 0  # phase executions per rank + collective ops: the work simulated
         self.fixed_groups = self._fixed_groups()

@@ -28,11 +28,29 @@ backward is done, after the step's discovery, which runs there once the forward 
 done; page loads go on the copy stream, overlapping the dispatch, when the profile says
 copies overlap compute (``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``)
 are already in the ops' bytes.
+
+Copy overlap (``copy.overlap`` f, measured on the H200 as the share of a copy's time a
+concurrent matmul hides: 1 - (both - matmul alone) / copy alone): a copy of c seconds
+issued beside the rank's in-order work runs its c seconds on the copy stream, and the
+in-order work first waits ``(1 - f) c`` (``unhidden_seconds``), the share of the copy
+nothing hides, as a ``paging`` wait on the compute stream (``Phase.hold``). Compute of
+t seconds issued with the copy and the copy are then both done after
+``max(c, (1 - f) c + t)``: ``t + (1 - f) c`` when t >= f c, what the measurement (a
+matmul of t beside a copy of c < t) took; ``t + c``, the serial sum, at f = 0;
+``max(t, c)``, the copy wholly hidden, at f = 1 (no wait phase: the phases of a
+perfect overlap). The copy itself is not slowed (the measured one ended inside the
+matmul). The in-order work pays the wait when the copy is issued, whatever that work is
+(compute, or collectives, whose slowdown by a copy was not measured: assumed the
+same); where it is shorter than f c the wait delays it more than a slowdown while both
+run would, though what comes next is then mostly the experts, waiting for the copy
+anyway. With f = 0 copies
+run in the chain, before what needs them, as a CPU rank's synchronous copies do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -63,9 +81,11 @@ class Phase:
     pages: np.ndarray | None = None  # [W] pages copied
     waits_for_pages: int = -1  # index of the copy phase this one waits for (stall accounting)
     in_line: bool = False  # a copy the rank waits for in its chain (copies do not overlap compute)
+    hold: int = -1  # a copy: the wait phase in which the in-order work pays its unhidden share (-1: none)
     mem_delta: np.ndarray | None = None  # [W] bytes allocated (+) or freed (-) when it ends
     mem_transient: np.ndarray | None = None  # [W] bytes held only while it runs (comm buffers)
     fitted: bool = False  # its seconds come from fitted constants (the host cost of a stage)
+    fitted_s: np.ndarray | None = None  # [W] seconds of ``seconds`` from fitted constants (else none of them)
 
 
 @dataclass
@@ -97,6 +117,13 @@ class StepDecisions:
         return self.end.heat_ops + (self.forward[0].heat_ops if self.forward else [])
 
 
+def unhidden_seconds(copy_s: np.ndarray, overlap: float) -> np.ndarray:
+    """[W] seconds of a copy of ``copy_s`` [W] seconds that no concurrent work hides, so
+    that the rank's in-order work waits for them: ``(1 - overlap) copy_s``, ``overlap``
+    the profile's ``copy.overlap`` (module doc)."""
+    return (1.0 - overlap) * np.asarray(copy_s, dtype=np.float64)
+
+
 class PhaseBuilder:
     """Builds the phases of one step from the controller's decisions.
 
@@ -108,14 +135,26 @@ class PhaseBuilder:
     """
 
     def __init__(self, scenario: Scenario, layout: Layout, compute: ComputeModel,
-                 group_create_s: float, copies_overlap: bool, create_on_all_ranks: bool = True,
-                 host_s: dict[str, float] | None = None):
+                 group_create_s: float, copy_overlap: float, create_on_all_ranks: bool = True,
+                 host_s: dict[str, float] | None = None,
+                 copy_time: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
+                 scale_fitted: bool = False):
+        """``copy_overlap``: the profile's ``copy.overlap`` (module doc); ``copy_time(h2d,
+        d2h, pages)``: [W] seconds of a copy of those bytes and pages on each rank's PCIe
+        links, as the executors time it (needed when 0 < copy_overlap < 1);
+        ``scale_fitted``: the compute model's contention factor is fitted, not measured at
+        this world (``sim.software_latency.compute_scale_fitted``), so every compute
+        second is."""
         self.s, self.layout, self.compute = scenario, layout, compute
         #: stage -> (host seconds per call, host seconds per byte of the stage's work): measured
         self.host_s = host_s or {}
         self.group_create_s = group_create_s
         self.create_on_all_ranks = create_on_all_ranks
-        self.copies_overlap = copies_overlap
+        if 0 < copy_overlap < 1 and copy_time is None:
+            raise ValueError("a copy overlap below 1 needs copy_time, to time the copies' unhidden share")
+        self.copy_overlap, self.copy_time = float(copy_overlap), copy_time
+        self.copies_overlap = copy_overlap > 0  # copies on the copy stream, beside the in-order work
+        self.scale_fitted = scale_fitted
         m, w = scenario.model, layout.world
         # device bytes of one page slot: a page, or a whole expert smaller than a page (RankPager.slot_bytes)
         self.page_bytes = min(scenario.pager.page_size_bytes, m.expert_bytes)
@@ -140,7 +179,20 @@ class PhaseBuilder:
         of every expert that computes from its pages (forward, and again in the backward)."""
         m = self.s.model
         gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
-        return gemm + self.compute.page_read_time((rows > 0).sum(axis=1) * self.pages_per_expert)
+        return gemm + self.page_read_seconds(rows)
+
+    def page_read_seconds(self, rows: np.ndarray) -> np.ndarray:
+        """[W] host seconds of reading the pages of every expert that computes, once
+        (``copy.read_page_us``, a fitted constant of calibrated CPU profiles; 0 on GPUs)."""
+        return self.compute.page_read_time((rows > 0).sum(axis=1) * self.pages_per_expert)
+
+    def expert_fitted_seconds(self, rows: np.ndarray, seconds: np.ndarray, backward: bool) -> np.ndarray:
+        """[W] seconds of the experts' ``seconds`` that come from fitted constants: all of
+        them with a fitted compute scale, else their page reads (twice in a backward with
+        full recompute: its forward reads them again)."""
+        if self.scale_fitted:
+            return seconds
+        return self.page_read_seconds(rows) * (2 if backward and self.recompute else 1)
 
     @property
     def recompute(self) -> bool:
@@ -191,6 +243,7 @@ class PhaseBuilder:
             if f.heat is not None:  # heat.deferred (M18): the last step's heat update, here
                 self.heat_phase(f.layer, f.heat_ops, d.probe_s)
             x_seconds = self.expert_seconds(rows[f.layer], False)
+            x_fitted = self.expert_fitted_seconds(rows[f.layer], x_seconds, False)
             pipe = self.page_pipeline(f, rows[f.layer], moved, x_seconds) if n == 1 else None
             copy = self.copy_phase(f.layer, moved) if pipe is None else pipe[0]
             if copy < 0 and pipe is None:  # nothing loads on demand: the experts wait for what came ahead (M14)
@@ -204,7 +257,7 @@ class PhaseBuilder:
                     self.host("paging", f.layer, extra_moved[0] + extra_moved[1])
                     phase = self.copy_phase(f.layer, extra_moved)
                     prefetched = phase if is_prefetch else prefetched
-            self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer]),
+            self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer], x_fitted),
                           ("combine", f.combine_ops), n, copy, pipeline=pipe)
         if dense.enabled:  # the output head and the loss, forward then backward
             self.host("dense", m.num_layers - 1, tokens)
@@ -228,8 +281,10 @@ class PhaseBuilder:
             moved = page_copy(b.page_moves, w)
             self.host("paging", layer, moved[0] + moved[1])
             copy = self.copy_phase(layer, moved)
+            xb_seconds = self.expert_backward_seconds(rows[layer])
             self.exchange(layer, ("combine_backward", b.combine_backward_ops),
-                          ("experts_backward", self.expert_backward_seconds(rows[layer]), grads[layer]),
+                          ("experts_backward", xb_seconds, grads[layer],
+                           self.expert_fitted_seconds(rows[layer], xb_seconds, True)),
                           ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer])
             self.host("route_backward", layer, tokens)
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
@@ -263,13 +318,14 @@ class PhaseBuilder:
             n_updated[r] = len(inst)
         updated = n_updated * m.expert_bytes
         self.host("optimizer", -1, updated)
-        opt = self.optimizer_seconds(n_updated)
-        opt = opt + self.compute.page_update_time(n_updated * self.pages_per_expert)  # page by page
+        update = self.compute.page_update_time(n_updated * self.pages_per_expert)  # page by page (fitted)
+        opt = self.optimizer_seconds(n_updated) + update
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         if dense.enabled:
             all_grads = all_grads + sum(self.block_grads)
-        self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads)
+        self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads,
+                             fitted_s=update)
         self.host("heat", -1, np.zeros(w))
         if d.end.heat is not None:
             self.heat_phase(-1, d.end.heat_ops, d.probe_s)
@@ -279,7 +335,8 @@ class PhaseBuilder:
         compacted = defrag_pages(d.end.page_moves, w)
         if compacted.any():  # M17: device to device on the copy stream; the next step's loads queue behind it
             seconds = self.compute.defrag_time(compacted * self.page_bytes)
-            self.add("paging", -1, "wait", "copy", (self.main,), seconds=seconds)
+            self.add("paging", -1, "wait", "copy", (self.main,), seconds=seconds,
+                     fitted_s=seconds if self.scale_fitted else None)
         return self.phases
 
     def optimizer_seconds(self, n_updated: np.ndarray) -> np.ndarray:
@@ -330,6 +387,8 @@ class PhaseBuilder:
     def add(self, stage, layer, kind, stream, deps, **data) -> int:
         if kind == "ops" and "mem_transient" not in data:
             data["mem_transient"] = buffer_bytes(data["ops"], self.layout.world)
+        if kind == "compute" and self.scale_fitted and not data.get("fitted"):
+            data["fitted_s"] = data["seconds"]  # every compute second is scaled by the fitted factor
         self.phases.append(Phase(stage, layer, kind, stream, tuple(x for x in deps if x >= 0), **data))
         return len(self.phases) - 1
 
@@ -350,8 +409,20 @@ class PhaseBuilder:
             return -1
         data = dict(h2d=h2d, d2h=d2h, pages=pages, mem_delta=slots * self.page_bytes)
         if self.copies_overlap and layer >= 0:
-            return self.add("paging", layer, "copy", "copy", (self.main,), **data)
+            return self.overlapped_copy(layer, (self.main,), **data)
         return self.chain("paging", layer, "copy", "copy", in_line=True, **data)
+
+    def overlapped_copy(self, layer: int, deps: tuple[int, ...], **data) -> int:
+        """A copy on the copy stream beside the in-order work, and the in-order work's wait
+        for its unhidden share (module doc: ``(1 - copy.overlap)`` of its seconds, on the
+        compute stream, in the chain; none when copies hide wholly). Returns the copy."""
+        copy = self.add("paging", layer, "copy", "copy", deps, **data)
+        if self.copy_overlap < 1:
+            ph = self.phases[copy]
+            seconds = unhidden_seconds(self.copy_time(ph.h2d, ph.d2h, ph.pages), self.copy_overlap)
+            if np.any(seconds > 0):
+                ph.hold = self.chain("paging", layer, "wait", "compute", seconds=seconds)
+        return copy
 
     def page_pipeline(self, fwd: LayerForward, rows: np.ndarray, moved, x_seconds: np.ndarray):
         """M14 page pipelining of a layer's forward (``pager.pipeline_pages``, copies on the
@@ -384,10 +455,10 @@ class PhaseBuilder:
         ready = np.maximum(x_seconds - self.expert_seconds(wait_rows, False), 0.0)
         tail = np.divide(blocked, loads, out=np.zeros(w), where=loads > 0)
         share = np.divide(1.0, loads, out=np.ones(w), where=loads > 0)  # the first page's share of the moves
-        first = self.add("paging", fwd.layer, "copy", "copy", (self.main,), h2d=h2d * share, d2h=d2h * share,
-                         pages=pages * share, mem_delta=slots * self.page_bytes)
-        rest = self.add("paging", fwd.layer, "copy", "copy", (first,), h2d=h2d * (1 - share), d2h=d2h * (1 - share),
-                        pages=pages * (1 - share), mem_delta=np.zeros(w))
+        first = self.overlapped_copy(fwd.layer, (self.main,), h2d=h2d * share, d2h=d2h * share,
+                                     pages=pages * share, mem_delta=slots * self.page_bytes)
+        rest = self.overlapped_copy(fwd.layer, (first,), h2d=h2d * (1 - share), d2h=d2h * (1 - share),
+                                    pages=pages * (1 - share), mem_delta=np.zeros(w))
         return first, rest, ready + blocked - tail, tail
 
     def exchange(self, layer, before, experts, after, n, copy, expert_work=None, pipeline=None):
@@ -396,10 +467,12 @@ class PhaseBuilder:
         Micro-batch i's experts wait for its first exchange (and the page loads); the comm
         stream runs B1, B2, A1, B3, A2, ... so the exchanges of one micro-batch overlap
         the experts of the previous one. ``experts`` = (stage, seconds [W], bytes the
-        experts leave allocated [W]).
+        experts leave allocated [W], seconds of theirs from fitted constants [W]); each
+        expert phase has that share of its seconds fitted.
         """
-        (b_stage, b_ops), (x_stage, x_seconds, x_mem), (a_stage, a_ops) = before, experts, after
+        (b_stage, b_ops), (x_stage, x_seconds, x_mem, x_fitted), (a_stage, a_ops) = before, experts, after
         w = self.layout.world
+        fitted_share = np.divide(x_fitted, x_seconds, out=np.zeros(w), where=x_seconds > 0)
         work = x_mem if expert_work is None else expert_work  # the experts' activations
         for stage, size in ((b_stage, buffer_bytes(b_ops, w)), (x_stage, work), (a_stage, buffer_bytes(a_ops, w))):
             self.host(stage, layer, size)  # host work of the three stages, up front
@@ -409,12 +482,13 @@ class PhaseBuilder:
             if pipeline is not None:  # M14: from the first page on, the last block after the last page
                 first, rest, before_last, last = pipeline
                 head = self.add(x_stage, layer, "compute", "compute", (self.main, first),
-                                seconds=before_last, waits_for_pages=first)
+                                seconds=before_last, waits_for_pages=first, fitted_s=before_last * fitted_share)
                 self.main = self.add(x_stage, layer, "compute", "compute", (head, rest),
-                                     seconds=last, mem_delta=x_mem, waits_for_pages=rest)
+                                     seconds=last, mem_delta=x_mem, waits_for_pages=rest,
+                                     fitted_s=last * fitted_share)
             else:
                 self.main = self.add(x_stage, layer, "compute", "compute", (self.main, copy),
-                                     seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy)
+                                     seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy, fitted_s=x_fitted)
             for batch in batches(a_ops):
                 self.chain(a_stage, layer, "ops", "comm", ops=batch)
             return
@@ -435,6 +509,6 @@ class PhaseBuilder:
                 j = i - 1
                 x_last = self.add(x_stage, layer, "compute", "compute", (b_end[j], x_last, copy),
                                   seconds=x_seconds / n, mem_delta=x_mem / n,
-                                  waits_for_pages=copy if j == 0 else -1)
+                                  waits_for_pages=copy if j == 0 else -1, fitted_s=x_fitted / n)
                 comm(a_stage, a_ops, j, x_last)
         self.main = comm_last

@@ -23,7 +23,8 @@ runs m micro-batches of ``tokens_per_rank / m`` tokens through the stages:
 
 What it changes in a step's record: the step time; stage times and bytes of the
 micro-batch stages (route to dense_backward) times m (the gradient sync, optimizer and
-heat run once per step), bytes times p (every stage moves its own); the memory peak
+heat run once per step), bytes times p (every stage moves its own); the share of the
+step from fitted constants, of the whole step (``whole_step_fitted_share``); the memory peak
 holds as many micro-batches' activations as the schedule keeps in flight on stage 0
 (``in_flight / v`` of the stage's). Left out: differences between stages other than
 the head (the embedding's weights are counted on every stage), stages' traffic sharing
@@ -45,6 +46,7 @@ from sim.network import Network
 from sim.phases import Phase
 from sim.pipeline_schedule import run_pipeline
 from sim.schedule import run_analytic
+from sim.step_report import fitted_by_rank
 from testbed.collectives import ByteLedger, CollectiveOp
 from testbed.results import StepRecord
 from testbed.scenario import Scenario
@@ -85,6 +87,22 @@ class MicroBatchTimes:
     tail_s: float  # after the backward: exposed gradient sync, optimizer, heat, paging
 
 
+def whole_step_fitted_share(phases: list[Phase], tl, micro_batches: int, step_time_s: float) -> float:
+    """Share of the pipelined step of ``step_time_s`` seconds that comes from fitted
+    constants, on the GPU with the most: its fitted seconds in the micro-batch stages
+    times ``micro_batches`` (each GPU runs every micro-batch of its stage, its chunks 1/v
+    of the stage each), plus those of the phases run once per step
+    (``sim.step_report.fitted_by_rank`` of the simulated stage's micro-batch step). The
+    boundary sends' library latency is left out: the sends are asynchronous, in no GPU's
+    busy time."""
+    if step_time_s <= 0 or not phases:
+        return 0.0
+    busy = tl.end - tl.start
+    per_mb = np.array([ph.stage in MICRO_BATCH_STAGES for ph in phases])
+    fitted = micro_batches * fitted_by_rank(tl, busy, per_mb) + fitted_by_rank(tl, busy, ~per_mb)
+    return float(fitted.max() / step_time_s)
+
+
 def micro_batch_times(phases: list[Phase], tl, step_time_s: float) -> MicroBatchTimes:
     """Split the stage's simulated step at the first backward phase and the last one."""
     back = [i for i, ph in enumerate(phases) if ph.stage in BACKWARD_STAGES]
@@ -122,6 +140,7 @@ class PipelinedStep:
         times = micro_batch_times(phases, tl, record.step_time_s)
         sched = self.schedule(times)
         record.step_time_s = sched.makespan_s + times.tail_s
+        record.fitted_share = whole_step_fitted_share(phases, tl, m, record.step_time_s)
         record.stage_time_s = {st: t * (m if st in MICRO_BATCH_STAGES else 1) for st, t in record.stage_time_s.items()}
         record.bytes_by_stage = {st: b * (m if st in MICRO_BATCH_STAGES else 1) * p
                                  for st, b in record.bytes_by_stage.items()}

@@ -22,7 +22,8 @@ Two executors, which agree where both apply (within a few percent; see below):
 
 Both return ``Timeline``: ``start[p, r]``, ``end[p, r]`` (seconds), ``fitted[p, r]`` (the
 seconds of that phase that come from fitted constants: a host-cost phase whole, a
-collective's calibrated software latency) and the collectives with their start and end
+collective's calibrated software latency, ``Phase.fitted_s`` of other compute and wait
+phases) and the collectives with their start and end
 (for link counters in the trace). A rank that is not a member of
 any op of an ``ops`` phase passes it at once.
 
@@ -68,9 +69,13 @@ class Timeline:
 
 def fitted_seconds(ph: Phase, model: CollectiveModel, world: int) -> np.ndarray:
     """[W] seconds of a phase that come from fitted constants: all of a fitted (host-cost)
-    phase; for collectives, per rank the largest fitted latency among its concurrent ops."""
+    phase, the ``fitted_s`` of other compute and wait phases (a fitted compute scale, the
+    per-page host costs); for collectives, per rank the largest fitted latency among its
+    concurrent ops."""
     if ph.kind in ("compute", "wait"):
-        return ph.seconds if ph.fitted else np.zeros(world)
+        if ph.fitted:
+            return ph.seconds
+        return np.asarray(ph.fitted_s, dtype=np.float64) if ph.fitted_s is not None else np.zeros(world)
     out = np.zeros(world)
     if ph.kind == "ops" and model.software.fitted:
         for op in ph.ops:
@@ -82,10 +87,29 @@ def fitted_seconds(ph: Phase, model: CollectiveModel, world: int) -> np.ndarray:
 def copy_seconds(ph: Phase, h2d_bw: np.ndarray, d2h_bw: np.ndarray, latency_s: float) -> np.ndarray:
     """Per-rank seconds of a copy phase alone on its PCIe link: both directions at once,
     plus a fixed latency per page."""
+    return pcie_seconds(ph.h2d, ph.d2h, ph.pages, h2d_bw, d2h_bw, latency_s)
+
+
+def pcie_seconds(h2d, d2h, pages, h2d_bw, d2h_bw, latency_s: float) -> np.ndarray:
+    """[W] seconds of copying ``h2d`` and ``d2h`` bytes [W] in ``pages`` pages [W] on each
+    rank's PCIe links of ``h2d_bw`` and ``d2h_bw`` bytes/s: both directions at once, plus
+    ``latency_s`` per page."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        up = np.where(ph.h2d > 0, ph.h2d / h2d_bw, 0.0)
-        down = np.where(ph.d2h > 0, ph.d2h / d2h_bw, 0.0)
-    return np.maximum(up, down) + ph.pages * latency_s
+        up = np.where(h2d > 0, h2d / h2d_bw, 0.0)
+        down = np.where(d2h > 0, d2h / d2h_bw, 0.0)
+    return np.maximum(up, down) + pages * latency_s
+
+
+def copy_timer(fabric, world: int, latency_s: float):
+    """``(h2d, d2h, pages) -> [W] seconds`` of a copy alone on each rank's PCIe links at
+    the fabric's capacities when called (after the step's faults), as every executor
+    times a copy phase (``PhaseBuilder`` times the copies' unhidden share with it)."""
+    ranks = np.arange(world)
+
+    def seconds(h2d, d2h, pages):
+        return pcie_seconds(h2d, d2h, pages, fabric.capacity[fabric.offset["h2d"] + ranks],
+                            fabric.capacity[fabric.offset["d2h"] + ranks], latency_s)
+    return seconds
 
 
 MAX_PASSES = 8  # schedule passes of run_analytic's contention fixed point, at most

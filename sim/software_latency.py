@@ -12,7 +12,11 @@ only, that world's constant. Either way the result is *fitted*, and says how
 - ``SoftwareLatency``: the communication library's cost per call and per sequential
   algorithm step (seconds), which the collective model adds to the network's time of
   the bytes; the profile's ``collectives`` figures when nothing was measured;
-- ``stage_host_seconds``: the host's cost per stage call (``measured.stage_us``).
+- ``fitted_figure``: whether a figure of the profile itself is a fitted constant (its
+  ``[sources]`` entry says "fitted": a built-in profile storing what a calibration fitted);
+- ``stage_host_seconds``: the host's cost per stage call (``measured.stage_us``);
+- ``compute_scale_fitted``: whether the compute contention factor (``compute_scale``,
+  applied by ``sim.compute.contention_factor``) is fitted at the scenario's world.
 """
 
 from __future__ import annotations
@@ -51,14 +55,21 @@ def fit_at(world: int, points: list[tuple[int, float]]) -> Fit:
                "fitted: a least-squares line in world over worlds " + ", ".join(map(str, worlds)))
 
 
+def fitted_figure(profile: MachineProfile, key: str) -> bool:
+    """The figure at dotted ``key`` is a fitted constant by the profile's ``[sources]``:
+    its entry (``MachineProfile.source_of``) begins with "fitted"."""
+    return profile.source_of(key).lstrip().lower().startswith("fitted")
+
+
 class SoftwareLatency:
     """The communication library's software cost: per call (``call_s``) and per
     sequential algorithm step (``step_s``), seconds, at ``world`` ranks.
 
     From a calibrated profile's ``measured.collective_latency`` (module doc: the row of
     ``world`` where it was measured, else fitted to the rows; never below 0), which makes
-    them *fitted* constants; else the profile's ``collectives`` figures (not fitted).
-    ``source`` says which."""
+    them *fitted* constants; else the profile's ``collectives`` figures, fitted where its
+    ``[sources]`` say so (``fitted_figure``: a built-in profile that stores what a
+    calibration fitted). ``source`` says which."""
 
     def __init__(self, profile: MachineProfile, world: int):
         rows = profile.measured.collective_latency
@@ -69,8 +80,12 @@ class SoftwareLatency:
             self.source, self.measured_here = call.how, call.measured
         else:
             c = profile.collectives
-            self.call_s, self.step_s, self.fitted = c.latency_us * 1e-6, c.step_latency_us * 1e-6, False
-            self.source, self.measured_here = "the profile's collectives figures", False
+            self.call_s, self.step_s = c.latency_us * 1e-6, c.step_latency_us * 1e-6
+            # one least-squares fit gives both (real.calibrate.fit_software_latency): either fitted, both are
+            self.fitted = fitted_figure(profile, "collectives.latency_us") or \
+                fitted_figure(profile, "collectives.step_latency_us")
+            self.source = "the profile's collectives figures" + (", fitted (its [sources])" if self.fitted else "")
+            self.measured_here = False
 
 
 def stage_host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str, tuple[float, float]]:
@@ -92,3 +107,12 @@ def stage_host_seconds(profile: MachineProfile, scenario: Scenario) -> dict[str,
         per_mb = fit_at(world, [(r["world"], r["us_per_MB"]) for r in entry]).value
         out[stage] = (max(us, 0.0) * 1e-6, max(per_mb, 0.0) * 1e-12)
     return out
+
+
+def compute_scale_fitted(profile: MachineProfile, world: int, shared_cores: bool = False) -> bool:
+    """The compute model's contention factor at ``world`` ranks is fitted
+    (``sim.compute.contention_factor``): ``measured.compute_scale`` has rows but none of
+    ``world``, so the factor is extrapolated from them (module doc). Never with
+    ``shared_cores``: the flow model then shares the cores itself, at factor 1."""
+    rows = profile.measured.compute_scale
+    return bool(rows) and not shared_cores and all(r["world"] != world for r in rows)

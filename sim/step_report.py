@@ -3,12 +3,14 @@
 Per rank: seconds per stage and per layer (busy time of each phase, waits for slower
 members included, as the real backend measures them), *exposed* time (the step minus the
 time its compute stream is busy: communication, copies and stragglers it could not
-hide), page stall (time the experts waited for page loads beyond their other inputs),
-memory over the step (``Phase.mem_delta`` / ``mem_transient`` on top of what the GPU
-held when the step began), and the share of its time that comes from fitted constants
-(``Timeline.fitted``: host costs per stage and a calibrated library latency, against
-measured link rates, latencies and kernel rates). Step figures: stage and layer times are means over ranks,
-the step time and memory peak are the largest.
+hide), page stall (time the experts waited for page loads beyond their other inputs, and
+the in-order work's wait for the unhidden share of those loads, ``Phase.hold``), memory
+over the step (``Phase.mem_delta`` / ``mem_transient`` on top of what the GPU held when
+the step began), and the share of its time that comes from fitted constants
+(``Timeline.fitted``: host costs per stage, a calibrated library latency, a compute
+scale extrapolated from other worlds, per-page host costs, against measured link rates,
+latencies and kernel rates). Step figures: stage and layer times are means over ranks,
+the step time, memory peak and fitted share are the largest.
 
 The Chrome trace shows ``trace_ranks`` ranks (process = GPU, thread = stream), a memory
 counter per shown GPU (its changes only) and link-utilization counters per level for the
@@ -43,7 +45,7 @@ class StepFigures:
     peak_by_rank: np.ndarray  # [W] bytes each GPU held at its peak
     peak_at: str  # where in the step the fullest GPU peaked: "stage, layer n"
     memory: np.ndarray  # [P, shown] bytes the first ``shown`` ranks hold during each phase
-    fitted_share: float  # mean over ranks of the share of its step time from fitted constants
+    fitted_share: float  # the largest over ranks of the share of its step time from fitted constants
 
 
 def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_layers: int,
@@ -60,20 +62,25 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
     exposed = rank_time - busy[compute].sum(axis=0)
     stall = np.zeros(world)
     for p, ph in enumerate(phases):
-        if ph.waits_for_pages >= 0 and phases[ph.waits_for_pages].in_line:
+        if ph.waits_for_pages < 0:
+            continue
+        copy = phases[ph.waits_for_pages]
+        if copy.in_line:
             # the rank copied before it could go on (as a CPU rank's synchronous copies):
             # the whole copy is time the experts waited for their pages
             stall += tl.end[ph.waits_for_pages] - tl.start[ph.waits_for_pages]
-        elif ph.waits_for_pages >= 0:
-            others = [d for d in ph.deps if d != ph.waits_for_pages]
-            ready = np.max([tl.end[d] for d in others], axis=0) if others else np.full(world, tl.t0)
-            stall += np.clip(tl.end[ph.waits_for_pages] - ready, 0, None)
+            continue
+        if copy.hold >= 0:  # the in-order work waited for the copy's unhidden share (sim.phases)
+            stall += tl.end[copy.hold] - tl.start[copy.hold]
+        others = [d for d in ph.deps if d != ph.waits_for_pages]
+        ready = np.max([tl.end[d] for d in others], axis=0) if others else np.full(world, tl.t0)
+        stall += np.clip(tl.end[ph.waits_for_pages] - ready, 0, None)
     peak_phase = np.full(len(base_memory), -1)
     peak, memory = memory_timeline(phases, base_memory, shown, peak_phase)
     fullest = int(np.argmax(peak))
     at = phases[peak_phase[fullest]] if peak_phase[fullest] >= 0 else None
     # into busy, which is not needed any more: a [P, W] array less to allocate and fault in
-    fitted = np.minimum(tl.fitted, busy, out=busy).sum(axis=0) if tl.fitted is not None else np.zeros(world)
+    fitted = fitted_by_rank(tl, busy, out=busy)
     share = np.divide(fitted, rank_time, out=np.zeros(world), where=rank_time > 0)
     return StepFigures(
         step_time_s=float(rank_time.max()),
@@ -83,8 +90,20 @@ def figures(phases: list[Phase], tl: Timeline, base_memory: np.ndarray, num_laye
         page_stall_s=float(stall.mean()),
         peak_memory_bytes=int(peak.max()), peak_by_rank=peak,
         peak_at="step start" if at is None else f"{at.stage}, layer {at.layer}" if at.layer >= 0 else at.stage,
-        memory=memory, fitted_share=float(share.mean()),
+        memory=memory, fitted_share=float(share.max()) if world else 0.0,
     )
+
+
+def fitted_by_rank(tl: Timeline, busy: np.ndarray, rows=None, out: np.ndarray | None = None) -> np.ndarray:
+    """[W] seconds of each rank's step from fitted constants: per phase (``rows``: a
+    selection of the phases, all by default) the fitted seconds of ``Timeline.fitted``,
+    at most the phase's busy time ``busy`` [P, W] there (a rank's time in a phase is all
+    it can owe them). ``out``: a [P, W] buffer to work in (``busy`` itself when it is not
+    needed after)."""
+    if tl.fitted is None:
+        return np.zeros(busy.shape[1])
+    f, b = (tl.fitted, busy) if rows is None else (tl.fitted[rows], busy[rows])
+    return np.minimum(f, b, out=out if rows is None else None).sum(axis=0)
 
 
 def _one_hot(index: np.ndarray, n: int) -> np.ndarray:

@@ -50,8 +50,7 @@ def test_experts_start_before_their_last_page_and_end_after_it(tmp_path):
     """With pipelining, a layer's experts start once the first loaded page has arrived,
     while the rest are still copied, and the last block runs after the last page."""
     phases, tl = forward_phases(paging(tmp_path, True))
-    first = next(i for i, p in enumerate(phases) if p.stage == "paging" and p.kind == "copy" and p.layer == 1)
-    rest = first + 1
+    first, rest = [i for i, p in enumerate(phases) if p.stage == "paging" and p.kind == "copy" and p.layer == 1][:2]
     head = next(i for i, p in enumerate(phases) if p.stage == "experts" and p.layer == 1)
     tail = head + 1
     assert phases[rest].kind == "copy" and phases[tail].stage == "experts" and rest in phases[tail].deps
