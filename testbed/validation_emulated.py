@@ -35,6 +35,7 @@ from testbed.validation_report import (
     sources_note,
     stage_error_figure,
     stage_time_figure,
+    validation_findings,
 )
 
 #: (result key, what it is, how it is judged, format)
@@ -151,4 +152,4 @@ def write_emulated_report(result: dict, output: str | Path) -> Path:
         ("Profile used, and the shapes of calibration and validation", profile_section(result)),
     ]
     return write_page(output, "Simulated vs measured on the emulated cluster: " + load_profile(result["profile"]).name,
-                      note, sections)
+                      note, sections, findings=validation_findings(result))

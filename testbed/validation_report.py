@@ -228,6 +228,30 @@ def out_of_sample_note(result: dict) -> str:
     return " ".join(f"{e['made']} {e['out_of_sample']}" for e in result.get("provenance", []))
 
 
+def validation_findings(result: dict) -> list[str]:
+    """What a validation's figures show, in two or three sentences computed from its
+    result: the median and worst step-time error against their goals, the direction the
+    simulator errs in, and how many speedup pairs it orders as measured."""
+    points, goals = result["points"], result["goals"]
+    if not points:
+        return ["No point was judged."]
+    worst = max(points, key=lambda p: abs(p["rel_error"]))
+    out = [f"Over {len(points)} points the simulated step is off by {100 * result['median_abs_error']:.1f}% at the "
+           f"median (goal {100 * goals['median_abs_error']:.0f}%) and by {100 * worst['rel_error']:+.1f}% at worst, "
+           f"at {_label(worst)} (goal {100 * goals['max_abs_error']:.0f}%), against a measured run-to-run spread "
+           f"of {100 * result['median_run_to_run_spread']:.1f}%."]
+    under = sum(p["rel_error"] < 0 for p in points)
+    if under in (0, len(points)):
+        out.append(f"Every point is {'under' if under else 'over'}-predicted: the error is a bias, not noise.")
+    else:
+        out.append(f"{under} of {len(points)} points are under-predicted, {len(points) - under} over-predicted.")
+    scored = [q for q in result["speedup_pairs"] if q["scored"]]
+    if scored:
+        agree = sum(q["agree"] for q in scored)
+        out.append(f"The simulator orders {agree} of {len(scored)} scored speedup pairs as measured.")
+    return out
+
+
 def write_validation_report(result: dict, output: str | Path) -> Path:
     points, pairs = result["points"], result["speedup_pairs"]
     goals = result["goals"]
@@ -262,4 +286,5 @@ def write_validation_report(result: dict, output: str | Path) -> Path:
                                                          ""], pair_rows)),
         ("Profile used, and the shapes of calibration and validation", profile_section(result)),
     ]
-    return write_page(output, "Simulated vs measured: " + profile.name, note, sections)
+    return write_page(output, "Simulated vs measured: " + profile.name, note, sections,
+                      findings=validation_findings(result))

@@ -269,3 +269,24 @@ def test_the_why_of_a_missed_point_is_computed_from_its_stage_errors():
     for why in (why_a, why_b):  # no fixed sentence per stage
         assert "TCP shares the links" not in why and "max-min model" not in why
     assert miss_reason(point("alltoall", "allreduce", 0.100, 0.105), 0.1) == ""  # within the goal: nothing to say
+
+
+def test_the_report_opens_with_what_its_points_show(tmp_path, repo_root):
+    from testbed.validation_report import validation_findings
+    v = load_experiment("validate_sim_vs_real")
+    points = [point("alltoall", "allreduce", 0.100, 0.130), point("allgather", "allreduce", 0.120, 0.118),
+              point("hierarchical", "allreduce", 0.200, 0.190)]
+    pairs = v.speedups(points, tie=0.05)
+    result = dict(v.summarize(points, pairs), profile="local-cpu", points=points, speedup_pairs=pairs, tie=0.05,
+                  repeats=2, median_run_to_run_spread=0.01)
+    found = validation_findings(result)
+    assert found[0].startswith("Over 3 points the simulated step is off by 5.0% at the median (goal 10%) and by "
+                               "+30.0% at worst, at ")
+    assert found[0].endswith("against a measured run-to-run spread of 1.0%.")
+    assert found[1] == "2 of 3 points are under-predicted, 1 over-predicted."
+    # alltoall is faster than allgather as measured (100 against 120 ms), slower as simulated (130 against 118)
+    assert found[2] == "The simulator orders 2 of 3 scored speedup pairs as measured."
+    points[0]["rel_error"] = -0.01
+    assert validation_findings(result)[1] == "Every point is under-predicted: the error is a bias, not noise."
+    html = write_validation_report(result, tmp_path / "v.html").read_text()
+    assert '<div class="findings"><p>Over 3 points' in html
