@@ -19,8 +19,15 @@ finished is not run again. Scenarios at the seed's scale (paper-1440.toml) are s
 only, with their own machine profiles (a100-seed, h200), whatever ``--profile`` says.
 
 ``--quick`` runs the seed-scale scenarios on 64 GPUs with the seed's per-GPU shapes
-(8 GPUs per node, 4 nodes per micro-cluster, 2 micro-clusters, EP 32): the same memory,
-experts and tokens per GPU as at 1,440 GPUs, but 2 replicas of each expert instead of 45.
+(8 GPUs per node, 4 nodes per micro-cluster, 2 micro-clusters, EP 32): the same experts
+and tokens per GPU as at 1,440 GPUs, but 2 replicas of each expert instead of 45 (so
+ZeRO shards the optimizer state over 2 replicas: C2, about memory, stays at 1,440 GPUs).
+
+Every claim is gathered (``cN``: its runs and their numbers) and then judged
+(``judge_cN``, in ``JUDGES``): the verdict, conditions and reason are a function of the
+numbers alone, so each verdict a claim can reach is tested on given numbers
+(tests/experiments/test_claim_verdicts.py), and claims.json's numbers give its verdicts
+again.
 
     python experiments/claims.py --quick --backends sim --json
     python experiments/claims.py                    # both backends (slow: real runs)
@@ -56,9 +63,10 @@ from testbed.files import write_atomic
 from testbed.run_figures import (
     scenario_of,
 )
-from testbed.verdicts import (  # noqa: F401 (UNTESTABLE: the verdict names, read from this module by tests)
+from testbed.verdicts import (  # noqa: F401 (HOLDS: the verdict names, read from this module by tests)
     CONDITIONAL,
     FAILS,
+    HOLDS,
     TOLERANCE,
     UNTESTABLE,
     VERDICTS,
@@ -69,68 +77,79 @@ from testbed.verdicts import (  # noqa: F401 (UNTESTABLE: the verdict names, rea
 
 
 # ---- the claims (the others: experiments/claims_memory.py, claims_comm.py) ------------------------
+# Each claim: ``cN(ledger)`` gathers the numbers from runs, ``judge_cN(claim, ...)`` turns them
+# into the verdict, conditions and reason, a pure function tested on given numbers.
 def c1(ledger: Ledger) -> Claim:
     """experiments/paper_scale.py's two whole-model configurations (simulated): paper-1440
     against its Megatron-style baseline, the ratio of step times against 1.88."""
     c = Claim("C1")
     if not ledger.sim:
-        c.why = "Simulated only (1,440 GPUs); no sim backend was chosen."
-        return c
+        return judge_c1(c, ledger.quick, "Simulated only (1,440 GPUs); no sim backend was chosen.")
     _, res = ledger.experiment("paper_scale")
     runs = at(res, "sim") if res is not None else []  # point 0: paper-1440, point 1: the baseline
     if len(runs) < 2:
-        c.why = "The paper_scale runs are missing."
-        return c
+        return judge_c1(c, ledger.quick, "The paper_scale runs are missing.")
     paper, baseline = runs[:2]
-    speedup = baseline["step_time_s"] / paper["step_time_s"]
     label = "paper-1440 shapes on 64 GPUs" if ledger.quick else "paper-1440 (1,440 GPUs)"
     c.add(f"{label}, the seed's system", [paper], step_time_s=paper["step_time_s"], mfu=paper.get("mfu"),
           fits_in_device_memory=paper.get("fits_in_device_memory"))
     c.add(f"{label}, Megatron-style baseline", [baseline], step_time_s=baseline["step_time_s"],
           mfu=baseline.get("mfu"), fits_in_device_memory=baseline.get("fits_in_device_memory"))
-    c.add("seed over baseline", [paper, baseline], speedup=speedup)
-    agrees = c1_check(speedup)
-    c.verdict = CONDITIONAL if agrees else FAILS
+    c.add("seed over baseline", [paper, baseline], seed_step_time_s=paper["step_time_s"],
+          baseline_step_time_s=baseline["step_time_s"], speedup=baseline["step_time_s"] / paper["step_time_s"])
+    return judge_c1(c, ledger.quick)
+
+
+def judge_c1(c: Claim, quick: bool, missing: str = "") -> Claim:
+    """``missing``: why there are no numbers (then not testable yet)."""
+    v = c.numbers.get("seed over baseline")
+    if v is None:
+        c.verdict, c.why = UNTESTABLE, missing or "No paper_scale runs."
+        return c
+    speedup = v["speedup"]
+    c.verdict = CONDITIONAL if c1_check(speedup) else FAILS
     c.conditions = ("The baseline is the testbed's Megatron-style configuration (configs/megatron-baseline-1440.toml: "
                     "flat all-to-all, expert all-reduce, no paging, no heat map), not Megatron-LM; neither uses "
                     "tensor or pipeline parallelism (modelled, but left at 1 in both: the seed names neither)."
-                    + (" With --quick the experts have 2 replicas instead of 45." if ledger.quick else ""))
-    c.why = (f"Simulated step {paper['step_time_s']:.3f} s with the seed's system against "
-             f"{baseline['step_time_s']:.3f} s for the baseline: x{speedup:.2f} (claimed 1.88x).")
+                    + (" With --quick the experts have 2 replicas instead of 45." if quick else ""))
+    c.why = (f"Simulated step {v['seed_step_time_s']:.3f} s with the seed's system against "
+             f"{v['baseline_step_time_s']:.3f} s for the baseline: x{speedup:.2f} (claimed 1.88x).")
     return c
 
 
 def c14(ledger: Ledger) -> Claim:
     c = Claim("C14")
     mod, res = ledger.experiment("sweep_capacity_factor")
-    checks: dict[str, bool] = {}
     if res is not None:
         for backend in backends_of(res):
             settings = sorted({(res.grid[i][mod.SKEW], res.grid[i][mod.AUX]) for (i, b, _) in res.summaries
                                if b == backend})
-            drops = {}
             for skew, aux in settings:
                 runs = [s for (i, b, _), s in sorted(res.summaries.items()) if b == backend
                         and res.grid[i][mod.SKEW] == skew and res.grid[i][mod.AUX] == aux
                         and 1.1 <= res.grid[i][mod.CF] <= 1.25]
-                if not runs:
-                    continue
-                key = f"sweep_capacity_factor skew {skew:g}, aux coef {aux:g}, {side(backend)}"
-                drops[key] = max(s["dropped_token_fraction"] for s in runs)
-                cfs = sorted({scenario_of(s).router.capacity_factor for s in runs})
-                c.add(key, runs, max_dropped_fraction_at_cf_1_1_to_1_25=drops[key], capacity_factors=cfs)
-            checks.update(c14_checks(drops))
-    c.judge(checks, "No drops only for")
+                if runs:
+                    c.add(f"sweep_capacity_factor skew {skew:g}, aux coef {aux:g}, {side(backend)}", runs,
+                          max_dropped_fraction_at_cf_1_1_to_1_25=max(s["dropped_token_fraction"] for s in runs),
+                          capacity_factors=sorted({scenario_of(s).router.capacity_factor for s in runs}))
+    return judge_c14(c)
+
+
+def judge_c14(c: Claim) -> Claim:
+    c.judge(c14_checks({k: v["max_dropped_fraction_at_cf_1_1_to_1_25"] for k, v in c.entries()}), "No drops only for")
     parts = "; ".join(f"{k}: {100 * v['max_dropped_fraction_at_cf_1_1_to_1_25']:.2f}%" for k, v in c.numbers.items())
-    c.why = (f"Largest fraction of routed slots dropped at capacity factors 1.1-1.25: {parts} (claimed: none). "
-             "On the simulator routing is the synthetic workload: the aux loss does not act on it, and the skew "
-             "stands for how unbalanced routing stays; on the real backend the router trains under the aux loss "
-             "for the run's few steps.")
+    c.why = (f"Largest fraction of routed slots dropped at capacity factors 1.1-1.25: {parts or 'no run'} (claimed: "
+             "none). On the simulator routing is the synthetic workload: the aux loss does not act on it, and the "
+             "skew stands for how unbalanced routing stays; on the real backend the router trains under the aux "
+             "loss for the run's few steps.")
     return c
+
 
 _memory, _comm = load_experiment("claims_memory"), load_experiment("claims_comm")
 CLAIM_FUNCTIONS = (c1, _memory.c2, _comm.c3, _comm.c4, _comm.c5, _comm.c6, _memory.c7, _memory.c8, _memory.c9,
                    _memory.c10, _comm.c11, _comm.c12, _comm.c13, c14, _comm.c15, _comm.c16)
+#: claim id -> its verdict function (numbers -> verdict, conditions, reason), for every claim
+JUDGES = {"C1": judge_c1, "C14": judge_c14, **_memory.JUDGES, **_comm.JUDGES}
 
 
 # ---- command line ------------------------------------------------------------------------------

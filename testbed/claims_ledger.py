@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from testbed.capacity import expert_capacity, kept_counts
 from testbed.experiment import ROOT, Options, load_experiment  # noqa: F401 (load_experiment: re-exported)
+from testbed.pager import RankPager
+from testbed.profile import load_profile
+from testbed.routing_trace import RoutingTrace
+from testbed.run_figures import scenario_of
 from testbed.scenario import Scenario
 from testbed.sweep import Sweep, SweepResult, run_sweep
+from testbed.topology import Layout
 
 NAME = "claims"
 QUESTION = "Which of the seed documents' claims C1-C16 hold on the testbed, simulated and measured?"
@@ -22,6 +30,60 @@ MiB, GiB = 2**20, 2**30
 
 def names(labels) -> str:
     return "; ".join(labels)
+
+
+#: memory categories (``memory_breakdown_bytes``) other than the expert weights' pages
+NON_EXPERT_MEMORY = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "communicators")
+
+
+def page_budget_from(device_memory_bytes: float, breakdown: dict[str, float], free_fraction: float,
+                     page_size_bytes: int) -> int | None:
+    """C2's page budget, bytes per GPU, derived from the machine and an unpaged run, not
+    from the claim: the device memory, less everything else the unpaged run's fullest
+    GPU holds (``NON_EXPERT_MEMORY`` of its ``memory_breakdown_bytes``: each category at
+    its most over the step, so their sum bounds what they hold at once from above), less
+    M15's free margin (``free_fraction`` of the device), in whole pages. None where
+    nothing is left for a page."""
+    left = device_memory_bytes * (1 - free_fraction) - sum(float(breakdown.get(k, 0.0)) for k in NON_EXPERT_MEMORY)
+    pages = int(left // page_size_bytes)
+    return pages * page_size_bytes if pages > 0 else None
+
+
+def first_pages_shares(summary: dict, first: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """(share of the weight bytes each forward read from its expert's ``first`` pages,
+    share of the expert's pages it read), one entry per forward of an expert replica.
+
+    The counts are the pager's (``testbed.pager.RankPager``, the page table both backends
+    keep): the run's own routing (routing.npz, measured steps) is replayed through a
+    pager per rank of the first EP group (one replica of every expert; the other groups'
+    pagers count alike), and after each layer's ``access`` the pins of each accessed
+    expert's pages (``refcount``) times their bytes are what that forward read. A forward
+    is an expert whose EP group kept tokens for it in a layer of a step (M9's activity)."""
+    s = scenario_of(summary)
+    lay, m = Layout(s), s.model
+    routed = RoutingTrace.load(summary["run_dir"]).routed[s.run.warmup_steps:]  # [S, L, W, E]
+    capacity = expert_capacity(s.workload.tokens_per_rank, m.top_k, m.num_experts, s.router.capacity_factor,
+                               lay.ep_size, s.router.pad_capacity_to_ep)
+    pagers = {}
+    for r in lay.rank_of[0]:
+        experts = np.asarray(lay.local_experts(int(r)))
+        instances = (np.arange(m.num_layers)[:, None] * m.num_experts + experts[None, :]).ravel()  # layer-major
+        pagers[int(r)] = (experts, RankPager(int(r), instances, m.expert_bytes, s.pager))
+    covered, read = [], []
+    for step in range(routed.shape[0]):
+        for layer in range(m.num_layers):
+            active = kept_counts(routed[step, layer], capacity)[lay.rank_of].sum(axis=1) > 0  # [R, E]
+            for r, (experts, pager) in pagers.items():
+                used = layer * m.num_experts + experts[active[lay.group_of[r], experts]]
+                pager.access(used, step)
+                pins, nbytes = pager.refcount, pager.page_nbytes
+                for inst in used:
+                    pages = pager.pages_of(int(inst))
+                    reads = pins[pages] * nbytes[pages]
+                    covered.append(float(reads[:first].sum() / reads.sum()))
+                    read.append(float((pins[pages] > 0).mean()))
+                pager.end_step()
+    return np.array(covered), np.array(read)
 
 
 # ---- running the scenarios ----------------------------------------------------------------
@@ -87,13 +149,51 @@ class Ledger:
         return "paper-1440 (1,440 GPUs)" if at_scale else "paper-1440 shapes on 64 GPUs (8 x 4 x 2, EP 32)"
 
     # ---- shared studies ---------------------------------------------------------------
+    def seed_unpaged(self) -> SweepResult | None:
+        """paper-1440.toml as shipped (1,440 GPUs, whatever --quick says: ZeRO shards
+        over the seed's 45 replicas; on 64 GPUs the optimizer state alone overflows a GPU)
+        without paging: what a GPU holds besides its experts' pages (C2)."""
+        return self.sim_only("claims_seed_unpaged", self.seed_base(at_scale=True, pager={"enabled": False}))
+
+    def seed_page_budget(self) -> tuple[int | None, dict, list[dict]]:
+        """(budget, its parts, the runs it comes from): ``page_budget_from`` on the
+        unpaged seed run with its profile's ``compute.device_memory_GB`` (or the scenario's
+        ``pager.device_memory_bytes``, as the simulator takes it) and the scenario's M15
+        fraction (``pager.emergency_free_fraction``). (None, {}, []) without a simulated
+        run; (None, parts, runs) where nothing is left for a page."""
+        runs = at(self.seed_unpaged(), "sim")
+        if not runs:
+            return None, {}, []
+        s = scenario_of(runs[0])
+        # the device memory the simulator models: pager.device_memory_bytes, else the profile's
+        device = float(s.pager.device_memory_bytes or load_profile(s.cluster.profile).compute.device_memory_GB * 1e9)
+        breakdown = runs[0]["memory_breakdown_bytes"]
+        budget = page_budget_from(device, breakdown, s.pager.emergency_free_fraction, s.pager.page_size_bytes)
+        parts = {"device_memory_bytes": device,
+                 "non_expert_memory_bytes": sum(float(breakdown.get(k, 0.0)) for k in NON_EXPERT_MEMORY),
+                 "free_margin_bytes": s.pager.emergency_free_fraction * device,
+                 "page_size_bytes": s.pager.page_size_bytes, "derived_page_budget_bytes": budget,
+                 "config_page_budget_bytes": self.config("paper-1440").pager.gpu_budget_bytes}
+        return budget, parts, runs
+
+    def _budget(self) -> dict:
+        """The paged seed points' pager budget: the derived one (the config's where none)."""
+        budget = self.seed_page_budget()[0] if self.sim else None
+        return {"pager.gpu_budget_bytes": budget} if budget else {}
+
+    def seed_paged_at_scale(self) -> list[dict]:
+        """Summaries of paper-1440 as shipped at 1,440 GPUs, paged with the derived budget
+        (C2; ``seed``'s two-stage point where that runs at scale)."""
+        if not self.quick:
+            return at(self.seed(), "sim", comm__expert_sync="two_stage", pager__enabled=True)
+        return at(self.sim_only("claims_seed_paged", self.seed_base(at_scale=True), points=[self._budget()]), "sim")
+
     def seed(self) -> SweepResult | None:
-        """The seed's scenario: two-stage sync paged (as shipped), all-reduce sync paged and
-        unpaged (all-reduce: the paging comparison of C2 without two-stage sync's cost
-        in wall time; the peak differs little between the two syncs)."""
-        points = [{"comm.expert_sync": "two_stage", "pager.enabled": True},
-                  {"comm.expert_sync": "allreduce", "pager.enabled": True},
-                  {"comm.expert_sync": "allreduce", "pager.enabled": False}]
+        """The seed's scenario, paged with the budget derived from the unpaged run
+        (``seed_page_budget``, which configs/paper-1440.toml is meant to hold): two-stage
+        sync (as shipped) and all-reduce sync."""
+        points = [{"comm.expert_sync": sync, "pager.enabled": True, **self._budget()}
+                  for sync in ("two_stage", "allreduce")]
         return self.sim_only("claims_seed", self.seed_base(), points=points)
 
     def seed_replicas(self) -> SweepResult | None:
@@ -146,8 +246,30 @@ class Ledger:
                             axes={PAGE: mb})
         return source, small, big
 
+    def a2a_payload(self) -> dict[str, SweepResult | None]:
+        """C16's test (docs/claims.md): scenarios whose all-to-all takes different shares
+        of the step, each with its dispatch/combine payload as the model's dtype and as fp8
+        (M22 compression: half of bf16's bytes, a quarter of fp32's); label -> sweep. Two
+        shipped small scenarios on the command line's backends, and the quickstart
+        cluster on the seed's profile (a100-seed) with 4,096 tokens per rank, H = 2048 and
+        FFNs of 1,024, 2,048 and 8,192 (simulated only): less FFN work per token puts a
+        larger share of the step in the all-to-all."""
+        steps = {"run": {"steps": 8 if self.quick else 20, "warmup_steps": 2}}
+        out = {}
+        for cfg in ("quickstart", "heat-drift"):
+            out[f"{cfg} ({steps['run']['steps']} steps)"] = self.both(
+                f"claims_a2a_payload_{cfg}", self.config(cfg, **steps), axes={PAYLOAD: ["model", "fp8"]})
+        seed_hw = self.config("quickstart", cluster={"profile": "a100-seed"}, workload={"tokens_per_rank": 4096},
+                              model={"hidden_size": 2048}, pager={"enabled": False},
+                              comm={"expert_sync": "allreduce"}, **steps)
+        out["quickstart cluster, a100-seed profile, 4,096 tokens per rank, H 2048"] = self.sim_only(
+            "claims_a2a_payload_a100", seed_hw, axes={"model.ffn_hidden_size": [1024, 2048, 8192],
+                                                      PAYLOAD: ["model", "fp8"]})
+        return out
+
 
 PAGE = "pager.page_size_bytes"
+PAYLOAD = "comm.payload_dtype"
 SYNC = "comm.expert_sync"
 SPARSE = "heat-drift routing (16 tokens per rank, Zipf 3)"
 C12_LAYERS = 4

@@ -5,8 +5,8 @@ with its conditions, the reason, the numbers and the runs every number comes fro
 "verdict", "conditions", "why", "tolerance", "numbers": {scenario: {figure: value, ...,
 "backend", "runs"}}, "runs": [{"run", "backend", "scenario", "run_dir"}]}], ...}``.
 Figures are formatted by their names: ``*_bytes`` as binary sizes, ``*_s`` in
-milliseconds, shares, fractions, rates, utilisations, reductions, overheads and
-slowdowns in percent, ratios and speeds as factors.
+milliseconds, shares, fractions, rates, utilisations, reductions, overheads,
+slowdowns, gains and noise in percent, ratios and speeds as factors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from testbed.units import format_bytes
 
 VERDICT_COLORS = {"holds": "#2e7d32", "does not hold": "#b00020", "holds only under stated conditions": "#b26a00",
                   "not testable yet": "#555555"}
-_PERCENT = ("share", "fraction", "spread", "util", "reduction", "overhead", "slowdown", "rate", "_over_")
+_PERCENT = ("share", "fraction", "spread", "util", "reduction", "overhead", "slowdown", "rate", "_over_", "gain",
+            "noise")
 _FACTOR = ("ratio", "speed")
 
 

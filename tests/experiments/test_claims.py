@@ -78,8 +78,11 @@ def test_c8_best_page_size_and_margins():
 
 
 def test_c10_c13_c15_and_c16_bands():
-    assert V.c10_checks(0.12, 0.003) == {"every step +12%": True, "every 10 steps +0.3%": True}
-    assert V.c10_checks(0.03, 0.0005) == {"every step +12%": False, "every 10 steps +0.3%": True}
+    # the simulator's overheads carry no noise
+    assert V.c10_checks(0.12, 0.003, 0.0, 0.0) == {"every step +12%": V.AGREES, "every 10 steps +0.3%": V.AGREES}
+    assert V.c10_checks(0.03, 0.0005, 0.0, 0.0) == {"every step +12%": V.DIFFERS, "every 10 steps +0.3%": V.AGREES}
+    # +0.05% inside a measured spread of 0.2%: indistinguishable from no overhead, as +0.3% is not
+    assert V.c10_checks(0.12, 0.0005, 0.002, 0.002)["every 10 steps +0.3%"] == V.DIFFERS
     assert V.c13_verdict(0.94e9, 30.1e9) == V.CONDITIONAL
     assert V.c13_verdict(0.5e9, 16e9) == V.FAILS
     assert V.from_checks(V.c15_checks(0.49, 0.25))[0] == V.FAILS
@@ -121,8 +124,32 @@ def test_sim_quick_ledger_has_every_claim_with_its_runs(claims, tmp_path, capsys
     # C1 from experiments/paper_scale.py's two whole-model runs: never a plain "holds" (no TP or PP)
     assert by["C1"]["verdict"] in (claims.CONDITIONAL, claims.FAILS) and by["C1"]["why"]
     assert by["C1"]["numbers"]["seed over baseline"]["speedup"] > 0
-    assert by["C9"]["verdict"] == claims.UNTESTABLE
     assert by["C7"]["verdict"] == claims.UNTESTABLE  # synthetic routing only, without real ranks
+    # C9 from the pages the runs' pagers counted: a dense FFN expert reads every page once a forward,
+    # so its first 3 pages take 3 pages' share of its bytes
+    assert by["C9"]["verdict"] == claims.FAILS
+    for figs in by["C9"]["numbers"].values():
+        assert figs["forwards_counted"] > 0 and figs["share_of_pages_read_per_forward"] == 1.0
+        assert figs["mean_share_of_reads_on_first_3_pages"] == pytest.approx(
+            3 * figs["page_size_bytes"] / figs["expert_bytes"], rel=1e-12)
+        assert figs["share_of_forwards_covered_by_first_3_pages"] == 0.0
+    # C2's page budget: derived from the unpaged run at 1,440 GPUs, and configs/paper-1440.toml holds it
+    budget = next(v for v in by["C2"]["numbers"].values() if "derived_page_budget_bytes" in v)
+    assert budget["derived_page_budget_bytes"] == budget["config_page_budget_bytes"], (
+        f"configs/paper-1440.toml's pager.gpu_budget_bytes should be {budget['derived_page_budget_bytes']}")
+    assert budget["derived_page_budget_bytes"] == int(
+        (budget["device_memory_bytes"] - budget["non_expert_memory_bytes"] - budget["free_margin_bytes"])
+        // budget["page_size_bytes"]) * budget["page_size_bytes"]
+    assert "derived, not taken from the claim" in by["C2"]["why"]
+    # C16 from pairs of runs on both sides of the bands (the a100-seed profile's A2A-bound scenario)
+    assert by["C16"]["verdict"] != claims.UNTESTABLE
+    assert any(v["a2a_share_of_step"] > V.C16_BOUND and "step_gain_with_fp8_payload" in v
+               for v in by["C16"]["numbers"].values())
+    # every verdict is its claim's rule on the numbers in claims.json
+    for c in got:
+        again = claims.JUDGES[c["id"]](V.Claim(c["id"], numbers=c["numbers"]), **({"quick": True} if c["id"] == "C1"
+                                                                                else {}))
+        assert again.verdict == c["verdict"], c["id"]
     # every number names runs of the ledger, and every run exists
     for c in got:
         if c["verdict"] != claims.UNTESTABLE or c["numbers"]:
