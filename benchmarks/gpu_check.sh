@@ -7,7 +7,8 @@
 #      pinned-copy ceiling, copies hidden behind expert compute, router + permutation share,
 #      each line with its goal and PASS / MISS.
 # Without CUDA it says so, runs the benchmark's CPU-side parts (labelled "CPU, not a goal
-# check") and exits 0. Needs torch and numpy only (no simpy, no network); pytest is used
+# check") and exits 0. What cannot run here (the multi-rank test and collectives on one
+# GPU) prints a line starting SKIP with the reason: nothing passes without running. Needs torch and numpy only (no simpy, no network); pytest is used
 # when installed. The exit status is 1 only when a test failed or the benchmark crashed:
 # a MISS is a measurement, not a failure.
 set -u
@@ -18,10 +19,14 @@ ts() { date +%H:%M:%S; }
 
 echo "[$(ts)] gpu_check in $PWD: $($PY -c 'import torch; print("torch", torch.__version__)')"
 status=0
+gpus=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 if $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "[$(ts)] CUDA tests"
+    if [ "$gpus" -lt 2 ]; then
+        echo "[$(ts)] SKIP test_nccl_ranks_match_the_reference_with_overlap: needs 2 or more GPUs, this machine has $gpus"
+    fi
     if $PY -c 'import pytest' 2>/dev/null; then
-        $PY -m pytest -m cuda -q -p no:cacheprovider tests/real/test_cuda.py || status=1
+        $PY -m pytest -m cuda -q -rs -p no:cacheprovider tests/real/test_cuda.py || status=1  # -rs: skip reasons
     else
         $PY tests/real/test_cuda.py || status=1
     fi
@@ -30,13 +35,12 @@ else
 fi
 echo "[$(ts)] benchmark (ceilings: benchmarks/h200-ceilings.json)"
 $PY benchmarks/gpu_bench.py || status=1
-gpus=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 if [ "$gpus" -ge 2 ]; then
     echo "[$(ts)] multi-rank: NCCL collectives on $gpus GPUs (nccl-tests style; no goal: figures to hold against the simulator)"
     $PY -m testbed.cli collective all_reduce --backend real --gpus "$gpus" --sizes 1M:256M || status=1
     $PY -m testbed.cli collective all_to_all --backend real --gpus "$gpus" --sizes 1M:256M || status=1
 else
-    echo "[$(ts)] multi-rank: skipped ($gpus GPU)"
+    echo "[$(ts)] SKIP multi-rank NCCL collectives: need 2 or more GPUs, this machine has $gpus"
 fi
 echo "[$(ts)] gpu_check done (status $status)"
 exit $status

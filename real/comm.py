@@ -1,10 +1,14 @@
 """The real backend's collectives: torch.distributed calls that count their bytes.
 
-Every call records the wire bytes this rank *sends* (the standard-algorithm bytes of
-``testbed.collectives``, computed from the sizes of the tensors really passed) into a
-``ByteLedger`` under the current stage, with each transfer's link level taken from the
-scenario's rank -> node -> micro-cluster mapping. Summed over ranks, the ledgers give
-``bytes_by_stage`` and ``bytes_by_level``.
+Every call records the payload bytes this rank *sends*, computed with
+``testbed.collectives``' formulas from the sizes of the tensors really passed and the
+algorithm the library runs for the call: gloo's reduce-scatter is an all-reduce of the
+whole input (counted as one), the FP8 reduce-scatter an all-to-all of shards (counted as
+one). They go into a ``ByteLedger`` under the current stage, each transfer's link level
+taken from the scenario's rank -> node -> micro-cluster mapping. Summed over ranks, the
+ledgers give ``bytes_by_stage`` and ``bytes_by_level``. These are counted, not measured:
+only an emulated cluster's kernel counters measure bytes on a wire
+(``wire_bytes_by_level``, ``real.netem``; ``docs/bytes.md``).
 
 The autograd functions make the token exchange differentiable: the backward of an
 all-to-all is the all-to-all with the splits swapped, of an all-gather a
@@ -75,8 +79,10 @@ class Comm:
     def _buffers(self, *tensors: torch.Tensor) -> None:
         self.largest_buffers = max(self.largest_buffers, sum(t.numel() * t.element_size() for t in tensors))
 
-    def _count(self, kind: str, members: tuple[int, ...], size: int, stage: str | None = None) -> None:
-        src, dst, nbytes = transfers(kind, members, size)
+    def _count(self, kind: str, members: tuple[int, ...], size: int, stage: str | None = None,
+               group=None) -> None:
+        src, dst, nbytes = transfers(kind, members, size,
+                                     reduce_scatter_as_all_reduce=kind == "reduce_scatter" and _is_gloo(group))
         mine = src == self.rank
         self.ledger.add_transfers(stage or self.stage_of(), src[mine], dst[mine], nbytes[mine])
 
@@ -130,7 +136,8 @@ class Comm:
 
     def reduce_scatter(self, x: torch.Tensor, members, group, async_op=False, stage: str | None = None):
         p = len(members)
-        self._count("reduce_scatter", tuple(members), x.numel() * x.element_size(), stage)
+        # gloo all-reduces the whole input and keeps the shard: counted as that all-reduce
+        self._count("reduce_scatter", tuple(members), x.numel() * x.element_size(), stage, group)
         out = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
         self._buffers(x, out)
         if p == 1:
@@ -141,14 +148,12 @@ class Comm:
 
     def reduce_scatter_coded(self, x: torch.Tensor, members, group, codec: PayloadCodec, scale: float) -> torch.Tensor:
         """Reduce-scatter (sum) with a compressed payload: every member sends each peer
-        that peer's shard in FP8 and sums what it receives in fp32. Counted as the
-        planner's ring reduce-scatter of the compressed tensor: the bytes each member
-        sends are the same ((p-1) shards), and they are attributed to links as the ring
-        would: bytes are always the standard algorithm's (``testbed.collectives``), as
-        for gloo's own reduce-scatter, which runs as an all-reduce."""
+        that peer's shard in FP8 and sums what it receives in fp32. Counted as what it
+        runs, an all-to-all of shards: (p-1) shards of 1/p of the compressed tensor to
+        the p-1 peers (the planner's op for it is that all-to-all, with either library)."""
         p = len(members)
         coded = codec.encode(x, scale)
-        self._count("reduce_scatter", tuple(members), coded.numel())
+        self._count_sends(members, [coded.numel() // p] * p)
         if p == 1:
             return codec.decode(coded, x.dtype, scale)
         shards = torch.empty_like(coded)
@@ -180,6 +185,11 @@ class Comm:
         if p2p_ops:
             for work in dist.batch_isend_irecv(p2p_ops):
                 work.wait()
+
+
+def _is_gloo(group) -> bool:
+    """Whether ``group``'s collectives run on gloo (False without a process group: tests)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "gloo"
 
 
 class Works:

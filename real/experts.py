@@ -8,7 +8,8 @@ Two kernels compute the same thing (M22's grouped GEMM):
 - *grouped*: one ``torch._grouped_mm`` per matrix for all experts, forward and backward
   (weight gradients as the 2-D x 2-D grouped form, offsets on the contracted rows).
   Groups are padded with zero rows to multiples of ``ALIGN_ROWS`` so every group starts
-  16-byte aligned; zero rows add nothing to any gradient. Used on CUDA with bf16.
+  16-byte aligned; zero rows add nothing to any gradient. Used on CUDA with bf16, on
+  the GPUs where torch runs it as one kernel (``GROUPED_MM_MAJORS``: sm90, sm100).
 - *loop*: one matmul pair per expert, everywhere else (and on CPU it is bit-identical to
   the single-process reference, which the equivalence tests rely on).
 
@@ -45,11 +46,21 @@ def split_stacked(w_GX: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tens
     return w_GX[:, : hidden * ffn].view(g, hidden, ffn), w_GX[:, hidden * ffn:].view(g, ffn, hidden)
 
 
+#: GPU architectures (compute capability major) on which ``torch._grouped_mm`` runs its
+#: grouped kernel for bf16: sm90 (Hopper; torch 2.8 refuses every other GPU with an error)
+#: and sm100 (Blackwell, from torch 2.9). Elsewhere torch >= 2.9 falls back to a loop of
+#: matmuls that reads the group offsets back to the host (pytorch/pytorch#161407): no
+#: faster than the per-expert loop, which is used instead.
+GROUPED_MM_MAJORS = (9, 10)
+
+
 def grouped_supported(device: torch.device, dtype: torch.dtype, hidden: int, ffn: int) -> bool:
-    """Whether the grouped kernel runs here: CUDA, bf16, a torch with ``_grouped_mm`` and
-    rows of H and F elements that are whole 16-byte units (the kernel's stride rule)."""
+    """Whether the grouped kernel runs here: CUDA on a GPU of ``GROUPED_MM_MAJORS``, bf16,
+    a torch with ``_grouped_mm`` and rows of H and F elements that are whole 16-byte units
+    (the kernel's stride rule); elsewhere the per-expert loop (module doc)."""
     return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and hidden % 8 == 0 and ffn % 8 == 0)
+            and hidden % 8 == 0 and ffn % 8 == 0
+            and torch.cuda.get_device_capability(device)[0] in GROUPED_MM_MAJORS)
 
 
 class ExpertTimer:

@@ -26,6 +26,7 @@ import os
 import pickle
 import queue as queue_mod
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -104,6 +105,7 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, barrier, devi
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=scenario.real.timeout_s), **eager_device(device))
         runner = RankRunner(scenario, rank, device)
+        q.put(("up", rank))  # in the process group, model built: the launcher shows progress
         control = LocalControl(rank, barrier, q, scenario.real.timeout_s)
         result = runner.run(control, debug, run_dir, resume)
         # plain bytes: torch would pass tensors as shared-memory handles that die with this process
@@ -117,9 +119,17 @@ def _rank_main(rank: int, scenario_dict: dict, store_path: str, q, barrier, devi
         os._exit(REPORTED_EXIT)
 
 
+def say(text: str) -> None:
+    """One progress line on stderr (``progress``: where the CLI shows progress)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: str | None = None,
-              resume=None) -> dict:
+              resume=None, progress: bool = False) -> dict:
     """Run every rank on this machine; returns rank 0's final payload.
+
+    ``progress``: say on stderr when the ranks start and when all are up (in the process
+    group, model built: several seconds for 8 CPU ranks, each importing torch).
 
     With ``real.network = "emulated"`` the ranks run in the network namespaces of an
     ``EmulatedFabric`` made for this run, which is torn down however the run ends; each
@@ -145,10 +155,18 @@ def run_ranks(scenario: Scenario, on_step, debug: dict | None = None, run_dir: s
                                    fabric.rank_network(r) if fabric else None),
                              name=f"testbed-rank{r}") for r in range(world)]
         keeper = GateKeeper(barrier, fabric.counters if fabric else None)
+        started = time.perf_counter()
+        if progress:
+            say(f"real: starting {world} ranks ({'nccl' if device_kind == 'cuda' else 'gloo'}"
+                f"{', emulated cluster' if fabric else ''})...")
         for p in procs:
             p.start()
+
+        def up() -> None:
+            say(f"real: {world} ranks up ({time.perf_counter() - started:.1f} s)")
         try:
-            return _collect(procs, q, on_step, keeper, fabric is not None, scenario.real.timeout_s)
+            return _collect(procs, q, on_step, keeper, fabric is not None, scenario.real.timeout_s,
+                            up if progress else None)
         finally:
             keeper.stop()
             for p in procs:
@@ -170,11 +188,13 @@ def _silent_death(procs, done, wait_s: float) -> int | None:
         time.sleep(0.05)
 
 
-def _collect(procs, q, on_step, keeper: GateKeeper, counted: bool, timeout_s: float) -> dict:
+def _collect(procs, q, on_step, keeper: GateKeeper, counted: bool, timeout_s: float, on_up=None) -> dict:
     """Merge the ranks' step metrics into records (in step order) until every rank is done;
     stop at the first rank that fails. ``counted``: the keeper reads link counters at every
-    gate, and each record gets the bytes per level between its step's two gates."""
+    gate, and each record gets the bytes per level between its step's two gates.
+    ``on_up()``: called once every rank has said it is up."""
     world = len(procs)
+    up: set[int] = set()
     done: dict[int, dict] = {}
     steps: dict[int, dict] = {}  # step -> {"locals": {rank: local}, "lead": lead}
     ready: list[tuple[int, dict]] = []  # complete steps waiting for their closing gate
@@ -206,7 +226,11 @@ def _collect(procs, q, on_step, keeper: GateKeeper, counted: bool, timeout_s: fl
                 r = dead[0]
                 raise RunError(f"rank {r} died (exit code {procs[r].exitcode}); the other ranks were stopped") from None
         kind, rank = msg[0], msg[1]
-        if kind == "local":
+        if kind == "up":
+            up.add(rank)
+            if len(up) == world and on_up is not None:
+                on_up()
+        elif kind == "local":
             _, step, rank, local, lead = msg
             entry = steps.setdefault(step, {"locals": {}, "lead": None})
             entry["locals"][rank] = local
@@ -239,9 +263,10 @@ def torchrun_device(scenario: Scenario, local_rank: int) -> torch.device:
 
 
 def run_in_process(scenario: Scenario, env: dict[str, str], on_step, debug: dict | None = None,
-                   run_dir: str | None = None, resume=None) -> dict | None:
+                   run_dir: str | None = None, resume=None, progress: bool = False) -> dict | None:
     """Run this process's rank of a torchrun job; rank 0 returns its final payload
-    (and calls ``on_step``), the other ranks None."""
+    (and calls ``on_step``), the other ranks None. ``progress``: say on stderr when this
+    rank joins the job and when every rank is in."""
     rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     if world != scenario.world_size:
         c = scenario.cluster
@@ -253,8 +278,14 @@ def run_in_process(scenario: Scenario, env: dict[str, str], on_step, debug: dict
     device = torchrun_device(scenario, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    started = time.perf_counter()
+    if progress:
+        say(f"real: rank {rank} joining {world} ranks ({backend}, torchrun)...")
+    dist.init_process_group(backend, init_method="env://", rank=rank,
                             world_size=world, timeout=timedelta(seconds=scenario.real.timeout_s), **eager_device(device))
+    if progress:  # the default group's rendezvous waits for every rank
+        say(f"real: {world} ranks up ({time.perf_counter() - started:.1f} s)")
     runner = RankRunner(scenario, rank, device)
     control = DistControl(rank, world, dist.group.WORLD, on_step)
     result = runner.run(control, debug, run_dir, resume)

@@ -4,11 +4,19 @@ line up, and the activations autograd saves for the backward.
 
 On CPU ranks this is the memory accounting itself (there is no device allocator to ask);
 on CUDA the step's peak comes from the allocator and the breakdown from these counts.
+The CUDA peak (``torch.cuda.max_memory_allocated``) holds torch's tensors only: the
+buffers NCCL allocates for its communicators are outside it, while the simulator's peak
+counts comm buffers and communicators (``CUDA_PEAK_LEAVES_OUT``, beside every
+comparison of the two peaks).
 """
 
 from __future__ import annotations
 
 import torch
+
+#: what a CUDA run's ``peak_memory_bytes`` does not hold, said beside its comparison with the simulator's
+CUDA_PEAK_LEAVES_OUT = ("the CUDA peak is torch's allocator's: it leaves out the buffers NCCL allocates for its "
+                        "communicators, which the simulator's peak counts (comm buffers and communicators)")
 
 
 def gradient_bytes(state) -> int:

@@ -17,9 +17,12 @@ they are issued: after the last copy of each expert an event is recorded, and wh
 reads or updates that expert's pages makes its own stream wait for that event only.
 So the copies overlap the dispatch all-to-all that follows them, and an expert computes
 as soon as *its* pages arrived while the next expert's pages are still on the way
-(expert-granular pipelining; with ``page_events``, page-granular: M14). The
-time compute spent waiting is measured with events (``settle``). On CPU copies are
-synchronous.
+(expert-granular pipelining; with ``page_events``, page-granular: M14). A dirty
+page's write-back to the host records its page event too, so a page-granular read of a
+page at home on the host (its copy over from the host pool) waits for the write-back
+that put its data there. Every wait, expert- or page-granular, is timed: an event on
+compute's stream where it starts waiting, paired with the copy's event (``settle``
+sums the stall). On CPU copies are synchronous.
 
 The *logical* value of a page is its data wherever the current copy is (the slot of a
 GPU page, the host pool otherwise; a stale page has none). ``modified`` marks pages
@@ -130,17 +133,22 @@ class PagedExpertStore:
             self._ready[instance] = ev
 
     def _page_copied(self, page: int) -> None:
-        """With ``page_events``: the copies issued so far cover ``page`` (M14)."""
+        """With ``page_events``: the copies issued so far cover ``page`` (M14): its load,
+        or its write-back to the host. Timed, as the stall is measured from it."""
         if self.cuda and self.page_events:
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.copy_stream)
             self._page_ready[page] = ev
 
     def wait_for(self, instance: int) -> None:
         """Make the current stream wait for the pending copies of ``instance`` (no-op on CPU)."""
         ev = self._ready.get(instance) if self.cuda else None
-        if ev is None:
-            return
+        if ev is not None:
+            self._wait_timed(ev)
+
+    def _wait_timed(self, ev) -> None:
+        """Make the current stream wait for the copy event ``ev``, timed: an event recorded
+        on it where the wait starts, paired with ``ev`` (``settle`` sums the gaps)."""
         here = torch.cuda.Event(enable_timing=True)
         here.record()
         torch.cuda.current_stream(self.device).wait_event(ev)
@@ -209,6 +217,7 @@ class PagedExpertStore:
                     view = self._host_view(page)
                     view.copy_(self._slot_tensor(old)[:view.numel()], non_blocking=True)
                     host_device += view.numel() * self.elem
+                    self._page_copied(page)  # a page-granular read from the host waits for it
                 self.loc[page], self.slot_of[page] = HOST, -1
             elif dst == NONE:
                 self.loc[page], self.slot_of[page] = NONE, -1
@@ -282,10 +291,11 @@ class PagedExpertStore:
         raise RuntimeError(f"expert instance {inst}: page {page} has no valid copy (stale replica)")
 
     def _wait_page(self, page: int) -> None:
-        """Make the current stream wait for ``page``'s copy (with ``page_events``, CUDA)."""
+        """Make the current stream wait for ``page``'s last copy, load or write-back (with
+        ``page_events``, CUDA), timed as ``wait_for`` is."""
         ev = self._page_ready.get(page)
         if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+            self._wait_timed(ev)
 
     def read(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The current flat weights of ``instance`` (a copy, into ``out`` if given), from

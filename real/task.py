@@ -5,6 +5,10 @@ Rank r's tokens at step s come from clusters drawn with the workload's popularit
 skewed and learnable. Input x = center[c] + noise; target y = tanh(x A_c) with a
 random teacher matrix per cluster; the model must learn to send each cluster to an
 expert that imitates its teacher. Deterministic in (workload.seed, step, rank).
+
+Memory: the teachers are [C, H, H] fp32 per rank (``testbed.guards.task_bytes`` counts
+them); a batch needs O(T x H) more, never a teacher per token (a [T, H, H] gather of
+them would take 69 GB at H 2048 and 4,096 tokens).
 """
 
 from __future__ import annotations
@@ -27,12 +31,28 @@ class SyntheticTask:
 
     def batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x_TH, y_TH) in fp32 for ``rank`` at ``step``."""
+        c_T, x_TH = self.inputs(step, rank)
+        return x_TH, self.targets(x_TH, c_T)
+
+    def inputs(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each token's cluster c_T, x_TH) for ``rank`` at ``step``."""
         p = torch.from_numpy(self.workload.popularity(step)[0, rank]).float()
         g = torch.Generator().manual_seed((self.seed * 7919 + step) * 104729 + rank)
         c_T = torch.multinomial(p, self.tokens, replacement=True, generator=g)
-        x_TH = self.centers_CH[c_T] + 0.5 * torch.randn(self.tokens, self.hidden, generator=g)
-        y_TH = torch.tanh(torch.einsum("th,thk->tk", x_TH, self.teachers_CHH[c_T]))
-        return x_TH, y_TH
+        return c_T, self.centers_CH[c_T] + 0.5 * torch.randn(self.tokens, self.hidden, generator=g)
+
+    def targets(self, x_TH: torch.Tensor, c_T: torch.Tensor) -> torch.Tensor:
+        """y_TH = tanh(x_t A_c(t)), teacher by teacher: each teacher's tokens go through one
+        bmm of [n, 1, H] rows by the teacher broadcast over them (an expanded view, no copy),
+        the same per-row products as a bmm over a [T, H, H] gather of teachers, without the
+        gather."""
+        y_TH = torch.empty_like(x_TH)
+        order = torch.argsort(c_T, stable=True)
+        clusters, counts = torch.unique_consecutive(c_T[order], return_counts=True)
+        for c, idx in zip(clusters.tolist(), torch.split(order, counts.tolist())):
+            teacher = self.teachers_CHH[c].expand(len(idx), self.hidden, self.hidden)
+            y_TH[idx] = torch.tanh(torch.bmm(x_TH[idx].unsqueeze(1), teacher).squeeze(1))
+        return y_TH
 
 
 class TokenTask:

@@ -220,6 +220,9 @@ class RankRunner:
         step_time = st.clock.now() - t_start
         memory = memory_breakdown(st, resident, meter.peak_bytes, held_grads, self.communicator_bytes)
         grad_bytes = memory["gradients"]
+        # CUDA: the caching allocator's peak, which leaves out what NCCL allocates itself
+        # (its communicators' buffers and channels, cudaMalloc'd outside torch), while the
+        # simulator's peak counts comm buffers and communicators (CUDA_PEAK_LEAVES_OUT)
         peak = (torch.cuda.max_memory_allocated(st.device) if st.device.type == "cuda"
                 else resident + meter.peak_bytes + grad_bytes + (memory["parameters"] + memory["optimizer_state"]
                                                                  if st.dense is not None else 0))

@@ -19,7 +19,7 @@ import numpy as np
 import simpy
 
 from testbed.backend import RunResult
-from testbed.collectives import ByteLedger
+from testbed.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
 from testbed.controller import Controller
 from testbed.guards import network_mode
 from testbed.page_moves import add_reason_counts, page_move_count
@@ -236,7 +236,8 @@ class SimBackend:
                 fullest = int(np.argmax(fig.peak_by_rank))
                 breakdown = memory_breakdown(sim, d, phases, fullest)  # the last step's is reported
                 peak_at = fig.peak_at
-                ledger = ByteLedger(sim.layout, hops)  # the step's bytes, for its record and its trace
+                # the step's bytes, for its record and its trace; gloo's reduce-scatters as its all-reduces
+                ledger = ByteLedger(sim.layout, hops, reduce_scatter_runs_as_all_reduce(profile))
                 record = _record(step, sim, d, fig, faults, ledger)
                 record.discovery_s = discovery_seconds(tl)
                 if pipe is not None:
@@ -292,7 +293,8 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
     """One StepRecord: bytes from the decisions (as the real backend counts them), times
     and memory from the simulated timeline. ``ledger``: an empty one to count into (the
     trace then reuses its counts), a new one by default."""
-    ledger = ledger if ledger is not None else ByteLedger(sim.layout)
+    if ledger is None:
+        ledger = ByteLedger(sim.layout, None, reduce_scatter_runs_as_all_reduce(sim.profile))
     moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves] + [f.prefetch_moves for f in d.forward]
     for f in d.forward:
         for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops + [o for ops in f.dense_ops for o in ops]:

@@ -47,7 +47,7 @@ from sim.phases import Phase
 from sim.pipeline_schedule import run_pipeline
 from sim.schedule import run_analytic
 from sim.step_report import fitted_by_rank
-from testbed.collectives import ByteLedger, CollectiveOp
+from testbed.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce
 from testbed.results import StepRecord
 from testbed.scenario import Scenario
 
@@ -120,6 +120,7 @@ class PipelinedStep:
         self.send_s, self.send_bytes = boundary_send_seconds(scenario, profile)
         self.head = (head.head_forward_s, head.head_backward_s)
         self.logits_bytes = head.head_activation_bytes
+        self.rs_as_ar = reduce_scatter_runs_as_all_reduce(profile)  # gloo: testbed.collectives
 
     def schedule(self, times: MicroBatchTimes):
         """The step's pipeline schedule from one micro-batch's stage times."""
@@ -144,7 +145,7 @@ class PipelinedStep:
         record.stage_time_s = {st: t * (m if st in MICRO_BATCH_STAGES else 1) for st, t in record.stage_time_s.items()}
         record.bytes_by_stage = {st: b * (m if st in MICRO_BATCH_STAGES else 1) * p
                                  for st, b in record.bytes_by_stage.items()}
-        once = ByteLedger(layout)
+        once = ByteLedger(layout, None, self.rs_as_ar)
         for ph in phases:
             if ph.kind == "ops" and ph.stage not in MICRO_BATCH_STAGES:
                 for op in ph.ops:

@@ -3,8 +3,10 @@
 One ``CollectiveOp`` is one call of a collective on a group of ranks. Both backends read
 the same op: the simulator times it on its network, the real backend executes it with
 torch.distributed and counts the bytes from the tensors it really passed, with the
-functions below. Bytes are *wire bytes* of the standard algorithm, the quantity
-nccl-tests calls bus bytes:
+functions below (``docs/bytes.md``: what is counted, and what only an emulated
+cluster's kernel counters measure). Bytes are *payload bytes* that leave a rank for
+another, by the algorithm the library runs, without headers or retransmissions: for
+the ring and direct algorithms the quantity nccl-tests calls bus bytes:
 
 - ``all_to_all_v`` (direct): every off-diagonal entry of the send matrix;
 - ``all_gather`` (ring), ``size`` = bytes each member contributes: ``p (p-1) size``;
@@ -12,10 +14,15 @@ nccl-tests calls bus bytes:
 - ``all_reduce`` (ring), ``size`` = tensor bytes: ``2 (p-1) size``;
 - ``p2p``: ``size`` when source and destination differ.
 
-A library that runs an op with another algorithm (gloo's reduce-scatter is an
-all-reduce) moves more on the wire; the simulator models that in *time* from the
-machine profile, while bytes stay these, so that both backends report the same
-``bytes_by_stage`` for the same routing.
+gloo runs a reduce-scatter as an all-reduce of the whole input, each member then
+keeping its shard (torch's ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``: a
+clone, ``allreduce``, ``chunk``): with ``reduce_scatter_as_all_reduce`` a reduce-scatter
+is counted as the ring all-reduce of its input, ``2 (p-1) size``. The real backend sets
+it from the library it runs (``real.comm``), the simulator from the machine profile
+(``reduce_scatter_runs_as_all_reduce``: ``collectives.algorithm.reduce_scatter =
+"all_reduce"``), so both count the same bytes for the same library. The other
+algorithms a profile may name (tree, hierarchical, NVLS, collnet) are modelled in
+*time* only (``sim.collective_model``); their bytes are counted as the ring's.
 """
 
 from __future__ import annotations
@@ -109,13 +116,28 @@ def wire_bytes(kind: str, group_size: int, size: int, matrix: np.ndarray | None 
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def transfers(kind: str, members: tuple[int, ...], size: int, matrix: np.ndarray | None = None):
-    """The (src, dst, bytes) rank-to-rank transfers of the standard algorithm.
+def counted_kind(kind: str, reduce_scatter_as_all_reduce: bool = False) -> str:
+    """The kind whose transfers an op of ``kind`` makes: a reduce-scatter that the library
+    runs as an all-reduce (gloo, module doc) makes an all-reduce's."""
+    return "all_reduce" if kind == "reduce_scatter" and reduce_scatter_as_all_reduce else kind
+
+
+def reduce_scatter_runs_as_all_reduce(profile) -> bool:
+    """Whether the machine profile's library runs a reduce-scatter as an all-reduce
+    (``collectives.algorithm.reduce_scatter = "all_reduce"``: gloo)."""
+    return profile.collectives.algorithm.reduce_scatter == "all_reduce"
+
+
+def transfers(kind: str, members: tuple[int, ...], size: int, matrix: np.ndarray | None = None,
+              reduce_scatter_as_all_reduce: bool = False):
+    """The (src, dst, bytes) rank-to-rank transfers of the algorithm the library runs
+    (module doc).
 
     Direct all-to-all: one transfer per off-diagonal pair. Ring collectives: member i
     sends to member i+1 the per-member share of the wire bytes. Returns three int64
-    arrays whose byte total equals ``wire_bytes``.
+    arrays whose byte total equals ``wire_bytes`` of ``counted_kind``.
     """
+    kind = counted_kind(kind, reduce_scatter_as_all_reduce)
     m = np.asarray(members, dtype=np.int64)
     p = len(m)
     if kind == "all_to_all_v":
@@ -183,12 +205,14 @@ class ByteLedger:
     all-to-all, so that counting an op is a lookup and a sum, not building its
     transfers: a paper-scale step has 15,000 ops on a few hundred member sets.
     ``op_bytes`` remembers the ops it has counted (the simulator's trace asks again
-    for the same ops of the step).
+    for the same ops of the step). ``reduce_scatter_as_all_reduce``: count the ops'
+    reduce-scatters as the all-reduces the library runs (gloo; module doc).
     """
 
-    def __init__(self, layout: Layout, hops: dict | None = None):
+    def __init__(self, layout: Layout, hops: dict | None = None, reduce_scatter_as_all_reduce: bool = False):
         self.layout = layout
         self.hops = {} if hops is None else hops
+        self.reduce_scatter_as_all_reduce = reduce_scatter_as_all_reduce
         self._counted: dict[CollectiveOp, tuple[int, np.ndarray]] = {}  # ops hash by identity
         self.by_stage: dict[str, int] = {}
         self.by_level = np.zeros(len(LEVELS), dtype=np.int64)
@@ -205,7 +229,8 @@ class ByteLedger:
 
     def op_bytes(self, op: CollectiveOp) -> tuple[int, np.ndarray]:
         """(wire bytes, int64 [3] of them per level nvlink/leaf/spine) of one op: the
-        totals of ``op.transfers()``, without building them (do not modify the array)."""
+        totals of its ``transfers`` as the library runs it, without building them (do
+        not modify the array)."""
         out = self._counted.get(op)
         if out is None:
             out = self._counted[op] = self._op_bytes(op)
@@ -229,6 +254,7 @@ class ByteLedger:
         p = len(members)
         if p <= 1:
             return 0, np.zeros(3, dtype=np.int64)
+        kind = counted_kind(kind, self.reduce_scatter_as_all_reduce)
         per_member = wire_bytes(kind, p, op.size) // p  # each member to its ring successor
         return per_member * p, per_member * self._hops("ring", members)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +155,6 @@ def write_golden(path: str | Path, current: dict) -> dict:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(p, golden_text(data))
-    os.chmod(p, 0o644)  # a file kept in git, not a private one (write_atomic's temporary file is 0600)
     return data
 
 

@@ -6,8 +6,8 @@ against what this machine holds.
 - the largest single allocation (bytes): one expert's weights, a rank's tokens, the
   routing trace of the run, the simulator's rank-by-rank level matrix, ...;
 - the memory the run needs (bytes): the simulator's per-rank arrays and routing trace, or
-  every real rank's expert weights (paged copy on the host included), activations and
-  gradients;
+  every real rank's expert weights (paged copy on the host included), activations,
+  gradients and training task (``task_bytes``: the synthetic task's teacher matrices);
 - the simulator's wall time (seconds): events per step (about 270 per layer and GPU: phases
   on each GPU and collective ops) at the event rates ``benchmarks/sim_speed.py`` measured
   (analytic about 3e6 events/s, flow about 5e4).
@@ -54,6 +54,17 @@ def network_mode(scenario: Scenario) -> str:
     return mode
 
 
+def task_bytes(scenario: Scenario) -> int:
+    """Bytes one real rank's training task holds (host memory, ``real.task``): the
+    synthetic task's cluster centers [E, H] and teacher matrices [E, H, H] and a batch's
+    x and y [T, H], fp32; the whole transformer's token task its target permutation [V]
+    and a batch's token and target ids [T], int64."""
+    m, t = scenario.model, scenario.workload.tokens_per_rank
+    if scenario.transformer.enabled:
+        return 8 * (scenario.transformer.vocab_size + 2 * t)
+    return 4 * (m.num_experts * m.hidden_size * (m.hidden_size + 1) + 2 * t * m.hidden_size)
+
+
 def estimate(scenario: Scenario, backend: str) -> dict:
     """Rough sizes of a run: ``largest_allocation`` and ``memory`` (bytes), ``wall_s``
     (simulator only; None for the real backend), and ``largest`` (what it is)."""
@@ -76,9 +87,12 @@ def estimate(scenario: Scenario, backend: str) -> dict:
         memory = routing + w * w + phases * w * BYTES_PER_RANK_PHASE + w * E * L * 64
         wall_s = run.steps * EVENTS_PER_LAYER_GPU * L * w / EVENTS_PER_S[network_mode(scenario)]
     else:
+        if not scenario.transformer.enabled:
+            allocations.append(("model.num_experts x model.hidden_size x model.hidden_size", f"{E} x {H} x {H}",
+                                "the task's teacher matrices (fp32, on every rank)", 4 * E * H * H))
         local = m.num_experts // scenario.parallelism.ep_size * L * m.expert_bytes
         per_rank = 3 * local + 6 * T * m.top_k * H * max(m.dtype_bytes, 4)  # weights, host pages, grads; activations
-        memory = w * per_rank + routing
+        memory = w * (per_rank + task_bytes(scenario)) + routing
         wall_s = None
     fields, values, what, size = max(allocations, key=lambda a: a[3])
     return {"largest": (fields, values, what), "largest_allocation": size, "memory": memory, "wall_s": wall_s,

@@ -10,7 +10,8 @@ experts in the dispatch; every token strategy moves the same slots, in different
 - ``allgather``: dispatch = all_gather of all T tokens, of each slot's expert index
   (int32) and of its probability (fp32), three calls; combine = reduce_scatter of the
   P*T partial outputs; backward: all_gather of output gradients, reduce_scatter of
-  token gradients and of probability gradients.
+  token gradients and of probability gradients. With FP8 payloads the two token
+  reduce-scatters are all_to_all_v of T-row shards (decoded, then summed in fp32).
 - ``hierarchical`` (Tutel's 2DH): the group as a (nodes A x members per node B) grid;
   stage 1 inside each node sends member (a,b) -> (a,b') everything bound for column b'
   (S1 = sum over destination node of D), stage 2 across nodes sends (a,b') -> (a',b')
@@ -175,11 +176,21 @@ class Planner:
                     CollectiveOp("all_gather", members, stage, layer, size=slots * INDEX_BYTES, label="expert indices"),
                     CollectiveOp("all_gather", members, stage, layer, size=slots * PROB_BYTES, label="probabilities")]
         if stage == "combine":
-            return [CollectiveOp("reduce_scatter", members, stage, layer, size=p * t * tb, label="partial outputs")]
+            return [self._token_reduce_scatter(members, stage, layer, "partial outputs")]
         if stage == "combine_backward":
             return [CollectiveOp("all_gather", members, stage, layer, size=t * tb, label="output gradients")]
-        return [CollectiveOp("reduce_scatter", members, stage, layer, size=p * t * tb, label="token gradients"),
+        return [self._token_reduce_scatter(members, stage, layer, "token gradients"),
                 CollectiveOp("reduce_scatter", members, stage, layer, size=p * slots * PROB_GRAD_BYTES, label="probability gradients")]
+
+    def _token_reduce_scatter(self, members, stage, layer, label) -> CollectiveOp:
+        """The reduce-scatter of every member's P x T token rows: FP8 payloads (M22) are
+        summed after decoding, so they travel as an all-to-all of shards (member i sends
+        member j its T rows for j; ``real.comm.Comm.reduce_scatter_coded``)."""
+        p, t, tb = len(members), self.tokens, self.token_bytes
+        if self.s.comm.payload_dtype == "fp8":
+            return CollectiveOp("all_to_all_v", members, stage, layer, matrix=np.full((p, p), t * tb, dtype=np.int64),
+                                label=label, row_bytes=tb)
+        return CollectiveOp("reduce_scatter", members, stage, layer, size=p * t * tb, label=label)
 
     def hierarchical_matrices(self, d: np.ndarray, group: int):
         """(grid, S1, S2) for EP group ``group``; S1[a] is node a's intra-node matrix

@@ -55,3 +55,18 @@ def test_measured_heat_all_reduce_is_planned(tmp_path):
         assert heat <= side["bytes_by_stage"]["heat"] < heat + (world - 1) * layers * experts * 8
     for stage in ("dispatch", "combine", "expert_sync", "dense_sync"):
         assert real["bytes_by_stage"][stage] == replay["bytes_by_stage"][stage]
+
+
+def test_gloo_reduce_scatters_count_as_the_all_reduces_they_run(tmp_path):
+    """allgather tokens: the combine is one reduce-scatter per EP group and layer of the
+    P x T partial output rows; gloo all-reduces the whole input (``docs/bytes.md``), so it
+    counts 2 (P-1) x its input, not a ring reduce-scatter's (P-1) x; the replay counts
+    the same for the same library (the local-cpu profile's reduce_scatter = all_reduce)."""
+    s = scenario(tmp_path, "allgather", "allreduce")
+    real = run_scenario(s, "real")
+    replay = run_scenario(s.replace(workload={"trace": real["run_dir"]}), "sim")
+    m, p = s.model, s.parallelism.ep_size
+    rows = p * s.workload.tokens_per_rank  # each member's input: every member's tokens
+    ring_all_reduce = 2 * (p - 1) * rows * m.hidden_size * m.dtype_bytes
+    assert real["bytes_by_stage"]["combine"] == m.num_layers * (s.world_size // p) * ring_all_reduce
+    assert replay["bytes_by_stage"]["combine"] == real["bytes_by_stage"]["combine"]

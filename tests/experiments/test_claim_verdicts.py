@@ -295,3 +295,11 @@ def test_report_formats_the_new_figures():
     assert format_value("step_gain_with_fp8_payload", 0.213) == "21.30%"
     assert format_value("overhead_noise", 0.004) == "0.40%"
     assert format_value("derived_page_budget_bytes", 22672 * MiB) == "22.14 GiB (2.38e+10 B)"
+
+
+def test_c3_says_where_the_library_runs_a_reduce_scatter_as_an_all_reduce():
+    entries = c3(0.43, 1.3)
+    entries["scenario 1"]["reduce_scatter_as_all_reduce"] = True
+    why = judged("C3", entries).why
+    assert "On scenario 1 the library runs a reduce-scatter as an all-reduce (gloo)" in why
+    assert "runs a reduce-scatter as an all-reduce" not in judged("C3", c3(0.43, 0.9)).why

@@ -164,8 +164,12 @@ def test_sim_quick_ledger_has_every_claim_with_its_runs(claims, tmp_path, capsys
     for cid in ("C2", "C3", "C4", "C5", "C6", "C8", "C10", "C11", "C12", "C13", "C14", "C15", "C16"):
         assert by[cid]["numbers"], cid
     assert by["C3"]["verdict"] != claims.UNTESTABLE
-    ratios = [v["two_stage_over_allreduce"] for v in by["C3"]["numbers"].values()]
-    assert all(0 < r <= 1.0 + 1e-9 for r in ratios)
+    # two-stage moves at most the all-reduce's bytes where a reduce-scatter is a ring, and at
+    # most 1.5x where the library runs it as an all-reduce (gloo: 2 (a-1)/a + (a-1)/a of the
+    # gradient over an active group of a, against 2 (r-1)/r over r >= a replicas)
+    for v in by["C3"]["numbers"].values():
+        bound = 1.5 if v["reduce_scatter_as_all_reduce"] else 1.0
+        assert 0 < v["two_stage_over_allreduce"] <= bound + 1e-9
     page = report.read_text()
     assert "Claims ledger" in page and all(f">{cid}:" in page for cid in IDS)
     assert (tmp_path / "index.html").is_file()

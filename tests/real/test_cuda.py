@@ -9,7 +9,9 @@
 
 ``benchmarks/gpu_check.sh`` runs this file with pytest, or directly (``python
 tests/real/test_cuda.py``) on a machine without pytest. Only torch, numpy and the
-project are needed (no simpy, no hypothesis).
+project are needed (no simpy, no hypothesis). A test that cannot run on this machine
+(the multi-rank one on one GPU) is skipped with its reason: pytest reports it as
+skipped, a direct run prints ``SKIP``; it never passes without running.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ from testbed.scenario import PagerConfig, Scenario
 CUDA = torch.cuda.is_available()
 if pytest is not None:
     pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+
+
+class Skipped(Exception):
+    """A test that cannot run on this machine, in a direct run (no pytest)."""
+
+
+def skip(reason: str) -> None:
+    """Skip the calling test with ``reason``: pytest's skip, or ``Skipped`` in a direct run."""
+    if pytest is not None:
+        pytest.skip(reason)
+    raise Skipped(reason)
 
 
 def rel(a, b) -> float:
@@ -151,10 +164,10 @@ def test_nccl_ranks_match_the_reference_with_overlap():
     """On 2 or more GPUs (up to 4): NCCL ranks with two-stage sync, micro-batches of the
     all-to-all and the sync during the backward (M22) compute the single-process
     reference's loss, outputs and gradients (fp32, the per-expert loop)."""
-    gpus = min(torch.cuda.device_count(), 4) // 2 * 2
+    count = torch.cuda.device_count()
+    gpus = min(count, 4) // 2 * 2
     if gpus < 2:
-        print("  fewer than 2 GPUs: the multi-rank check is skipped")
-        return
+        skip(f"needs 2 or more GPUs, this machine has {count}")
     from real.reference import reference_step
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,20 +193,32 @@ def test_nccl_ranks_match_the_reference_with_overlap():
                 torch.testing.assert_close(grad.cpu(), ref["expert_grads"][inst], rtol=1e-3, atol=1e-5)
 
 
+SKIPS = (Skipped,) + ((pytest.skip.Exception,) if pytest is not None else ())
+
+
+def run_directly(tests) -> int:
+    """Run ``tests`` (name -> function) without pytest, one line each: PASS, SKIP with the
+    reason, or FAIL with the traceback; returns how many failed."""
+    import traceback
+
+    failed = 0
+    for name, fn in tests.items():
+        try:
+            fn()
+            print(f"PASS {name}")
+        except SKIPS as e:
+            print(f"SKIP {name}: {e}")
+        except Exception:  # report every test, then fail
+            failed += 1
+            print(f"FAIL {name}\n{traceback.format_exc()}")
+    return failed
+
+
 if __name__ == "__main__":
     import sys
-    import traceback
 
     if not CUDA:
         print("CUDA is absent: the CUDA tests are skipped")
         sys.exit(0)
-    failed = 0
-    for name, fn in list(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                fn()
-                print(f"PASS {name}")
-            except Exception:  # report every test, then fail
-                failed += 1
-                print(f"FAIL {name}\n{traceback.format_exc()}")
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if run_directly({n: f for n, f in list(globals().items()) if n.startswith("test_") and callable(f)})
+             else 0)

@@ -53,3 +53,20 @@ def test_simulated_only_options_fail_fast(section, fields, name, tmp_path, two_r
     s = Scenario.from_dict({**two_ranks, section: fields})
     with pytest.raises(ScenarioError, match=rf"{name.replace('[', '.').replace(']', '.')} .*simulated only"):
         RealBackend().run(s)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_starting_ranks_is_shown_where_progress_is(tmp_path, two_ranks, capfd, progress):
+    """The several seconds the ranks take to start (each imports torch, joins the group
+    and builds its model) are not silent where the CLI shows progress: a line when they
+    start and one when every rank is up, on stderr, before any step; nothing without."""
+    s = Scenario.from_dict({**two_ranks, "run": {**two_ranks["run"], "output_dir": str(tmp_path)}})
+    RealBackend().run(s, progress=progress)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("real: ")]
+    if progress:
+        assert lines[0] == "real: starting 2 ranks (gloo)..."
+        assert lines[1].startswith("real: 2 ranks up (") and lines[1].endswith(" s)")
+        assert err.index("ranks up") < err.index("real x2: 1/3")  # before the first step's progress
+    else:
+        assert lines == [] and "real x2" not in err

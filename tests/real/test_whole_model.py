@@ -132,7 +132,7 @@ def test_what_only_the_simulator_models_is_refused(tmp_path, over, field):
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path, sequence_parallel):
+def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path, sequence_parallel, float_bound):
     """TP = 2 (groups {0, 1} and {2, 3}, each a node) with or without sequence parallelism,
     and a split vocabulary: the same losses as TP = 1 (to float rounding), and its replay moves
     the same bytes per stage and level - the tensor-parallel all-gathers and
@@ -144,8 +144,9 @@ def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path, sequence_par
     tp = base.replace(parallelism={"tp_size": 2, "sequence_parallel": sequence_parallel},
                       overlap={"sync_with_backward": True})
     split = run_scenario(tp, "real")
-    assert split["loss_first"] == pytest.approx(whole["loss_first"], rel=1e-5)
-    assert split["loss_last"] == pytest.approx(whole["loss_last"], rel=1e-5)
+    n = float_bound.chain(tp)  # the shards sum their parts in another order
+    assert split["loss_first"] == float_bound.approx(whole["loss_first"], n)
+    assert split["loss_last"] == float_bound.approx(whole["loss_last"], n)
     replay = run_scenario(tp.replace(workload={"trace": split["run_dir"]}), "sim")
     assert split["bytes_by_stage"] == replay["bytes_by_stage"]
     assert split["bytes_by_level"] == replay["bytes_by_level"]
@@ -170,7 +171,7 @@ def test_the_shipped_whole_model_config_runs_on_both_backends(tmp_path, repo_roo
     assert real["bytes_by_stage"] == replay["bytes_by_stage"] and real["bytes_by_stage"]["dense"] > 0
 
 
-def test_pipeline_stages_compute_what_one_stage_does(tmp_path):
+def test_pipeline_stages_compute_what_one_stage_does(tmp_path, float_bound):
     """PP = 2 on 4 ranks (stage 0: ranks 0-1 with layers 0-1 and the embedding; stage 1:
     ranks 2-3 with layers 2-3 and the head), one micro-batch a step: the same losses and
     bytes per stage as the whole model on 2 ranks, its activations and their gradients
@@ -184,7 +185,7 @@ def test_pipeline_stages_compute_what_one_stage_does(tmp_path):
     s = scenario(tmp_path, parallelism={"pp_size": 2}, **common)
     staged = RealBackend().run(s)
     for a, b in zip(whole.records, staged.records, strict=True):
-        assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.bytes_by_stage == b.bytes_by_stage
+        assert a.loss == float_bound.approx(b.loss, float_bound.chain(s)) and a.bytes_by_stage == b.bytes_by_stage
         assert b.extra["pipeline_sent_bytes"] == 4 * 64 * 32 * 4
     sim = run_scenario(s, "sim")
     real_dispatch = staged.records[-1].bytes_by_stage["dispatch"]

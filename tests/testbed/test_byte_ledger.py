@@ -4,7 +4,8 @@ levels: the same totals as the op's transfers, for every kind and corner."""
 import numpy as np
 import pytest
 
-from testbed.collectives import ByteLedger, CollectiveOp
+from testbed.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce, transfers
+from testbed.profile import load_profile
 from testbed.scenario import Scenario
 from testbed.topology import Layout
 
@@ -55,3 +56,36 @@ def test_ops_that_move_nothing_still_name_their_stage():
     ledger.add_op(CollectiveOp("all_gather", (0, 1), "route", size=0))
     assert ledger.by_stage == {"dense_sync": 0, "paging": 0, "route": 0}
     assert ledger.level_dict() == {"nvlink": 0, "leaf": 0, "spine": 0, "pcie": 0}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_library_that_all_reduces_its_reduce_scatters_is_counted_as_it_runs(seed):
+    """gloo (``reduce_scatter_as_all_reduce``): every reduce-scatter counts as the ring
+    all-reduce of its input, 2 (p - 1) size, link by link as the ledger's own transfers
+    with the flag; every other kind as before."""
+    rng = np.random.default_rng(seed)
+    layout = Layout(Scenario.from_dict({"cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 2,
+                                                    "microclusters": 3}}))
+    gloo = ByteLedger(layout, reduce_scatter_as_all_reduce=True)
+    plain, slow = ByteLedger(layout), ByteLedger(layout)
+    for i in range(300):
+        op = random_op(rng, layout.world, ["dispatch", "expert_sync"][i % 2])
+        gloo.add_op(op)
+        plain.add_op(op)
+        slow.add_transfers(op.stage, *transfers(op.kind, op.members, op.size, op.matrix,
+                                                reduce_scatter_as_all_reduce=True))
+        counted = CollectiveOp("all_reduce", op.members, op.stage, size=op.size) if op.kind == "reduce_scatter" else op
+        assert gloo.op_bytes(op)[0] == int(counted.transfers()[2].sum())  # ring shares round down
+        p = len(op.members)
+        if op.kind == "reduce_scatter" and p > 1:
+            assert gloo.op_bytes(op)[0] == p * (2 * (p - 1) * op.size // p)
+            assert plain.op_bytes(op)[0] == p * ((p - 1) * op.size // p)
+        else:
+            assert gloo.op_bytes(op)[0] == plain.op_bytes(op)[0]
+    assert gloo.by_stage == slow.by_stage and gloo.level_dict() == slow.level_dict()
+
+
+def test_the_profile_says_which_library_all_reduces_its_reduce_scatters():
+    assert reduce_scatter_runs_as_all_reduce(load_profile("local-cpu"))  # gloo
+    assert reduce_scatter_runs_as_all_reduce(load_profile("emulated"))
+    assert not reduce_scatter_runs_as_all_reduce(load_profile("h200"))  # NCCL's ring

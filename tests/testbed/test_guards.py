@@ -109,3 +109,20 @@ def test_fuzzed_scenarios_run_or_are_refused_in_one_line(tmp_path_factory, capsy
     assert code == 2, (argv, err)
     assert len([line for line in err if line.startswith("testbed: error")]) == 1, (argv, err)
     assert not any("Traceback" in line for line in err), (argv, err)
+
+
+def test_the_real_backends_task_is_counted(monkeypatch):
+    """Every real rank holds its training task's teacher matrices (E x H x H fp32,
+    ``real.task``): at H 2048 and 64 experts 1 GiB a rank, which alone outgrows a 2 GiB
+    machine on 2 ranks while the experts (F 8) are small; the guard refuses the run and
+    names what does not fit."""
+    monkeypatch.setattr("testbed.guards.available_memory", lambda: 2 * 2**30)
+    s = Scenario.from_dict({"model": {"hidden_size": 2048, "ffn_hidden_size": 8, "num_experts": 64, "num_layers": 1},
+                            "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 1},
+                            "parallelism": {"ep_size": 2}, "workload": {"tokens_per_rank": 16}})
+    est = estimate(s, "real")
+    assert est["memory"] >= 2 * 64 * 2048 * 2048 * 4
+    assert est["largest_allocation"] == 64 * 2048 * 2048 * 4 and "teacher" in est["largest"][2]
+    with pytest.raises(ScenarioError, match="would need about"):
+        check_size(s, "real")
+    assert estimate(s, "sim")["memory"] < 2**30  # the simulator holds no task
