@@ -5,7 +5,14 @@
 #      GPUs NCCL ranks with overlap against the single-process reference);
 #   2. benchmarks/gpu_bench.py: grouped expert GEMM vs torch.bmm, page copy GB/s vs the
 #      pinned-copy ceiling, copies hidden behind expert compute, router + permutation share,
-#      each line with its goal and PASS / MISS.
+#      each line with its goal and PASS / MISS;
+#   3. testbed calibrate --device cuda --quick (into a scratch folder) and the built-in h200
+#      profile against what it measured (benchmarks/profile_check.py), with the device
+#      calibration's CUDA tests (tests/real/test_device_bench.py).
+# The GPU machine has torch and numpy but none of the project's other packages and no
+# network: carry their wheels in .wheels/ (pip download -d .wheels tomli-w simpy networkx
+# scipy plotly joblib tqdm, then name .wheels in the run's carry) and this script installs
+# them offline first; without tomli-w the calibration cannot write its profile and says SKIP.
 # Without CUDA it says so, runs the benchmark's CPU-side parts (labelled "CPU, not a goal
 # check") and exits 0. What cannot run here (the multi-rank test and collectives on one
 # GPU) prints a line starting SKIP with the reason: nothing passes without running. Needs torch and numpy only (no simpy, no network); pytest is used
@@ -35,6 +42,30 @@ else
 fi
 echo "[$(ts)] benchmark (ceilings: benchmarks/h200-ceilings.json)"
 $PY benchmarks/gpu_bench.py || status=1
+if [ "$gpus" -ge 1 ]; then
+    if [ -d .wheels ]; then
+        $PY -m pip install -q --no-index --find-links .wheels tomli-w simpy networkx scipy plotly joblib tqdm \
+            || echo "[$(ts)] could not install every carried wheel (.wheels/)"
+    fi
+    if $PY -c 'import pytest' 2>/dev/null; then
+        $PY -m pytest -m cuda -q -rs -p no:cacheprovider tests/real/test_device_bench.py || status=1
+    fi
+    if $PY -c 'import tomli_w' 2>/dev/null; then
+        out=$(mktemp -d)
+        echo "[$(ts)] testbed calibrate --device cuda --quick -> $out/gpu-check.toml"
+        if $PY -m testbed.cli calibrate --device cuda --quick --name gpu-check --output-dir "$out"; then
+            $PY benchmarks/profile_check.py h200 "$out/gpu-check.toml" || status=1
+            [ -n "${OUT:-}" ] && cp "$out/gpu-check.toml" "$OUT/" 2>/dev/null  # the device tool brings $OUT back
+        else
+            status=1
+        fi
+        rm -rf "$out"
+    else
+        echo "[$(ts)] SKIP testbed calibrate --device cuda: tomli-w is not installed (carry it in .wheels/)"
+    fi
+else
+    echo "[$(ts)] SKIP testbed calibrate --device cuda: no GPU"
+fi
 if [ "$gpus" -ge 2 ]; then
     echo "[$(ts)] multi-rank: NCCL collectives on $gpus GPUs (nccl-tests style; no goal: figures to hold against the simulator)"
     $PY -m testbed.cli collective all_reduce --backend real --gpus "$gpus" --sizes 1M:256M || status=1
