@@ -26,6 +26,7 @@ def scenario(tmp_path, token, sync, payload="model"):
     ("alltoall", "two_stage", "model"), ("allgather", "allreduce", "model"), ("hierarchical", "two_stage", "model"),
     ("alltoall", "allreduce", "fp8"), ("allgather", "two_stage", "fp8"),  # M22: FP8 payloads, 1 byte per element
 ])
+@pytest.mark.slow
 def test_real_run_and_its_replay_move_the_same_bytes(tmp_path, token, sync, payload):
     s = scenario(tmp_path, token, sync, payload)
     real = run_scenario(s, "real")
@@ -38,6 +39,7 @@ def test_real_run_and_its_replay_move_the_same_bytes(tmp_path, token, sync, payl
     assert real["bytes_by_level"]["spine"] > 0 and real["bytes_by_level"]["pcie"] > 0
 
 
+@pytest.mark.slow
 def test_measured_heat_all_reduce_is_planned(tmp_path):
     """With measured compute heat the ranks add up their kernel seconds at every heat
     update (every 2 steps here), those of the steps since the last one in one all-reduce;
@@ -57,6 +59,7 @@ def test_measured_heat_all_reduce_is_planned(tmp_path):
         assert real["bytes_by_stage"][stage] == replay["bytes_by_stage"][stage]
 
 
+@pytest.mark.slow
 def test_gloo_reduce_scatters_count_as_the_all_reduces_they_run(tmp_path):
     """allgather tokens: the combine is one reduce-scatter per EP group and layer of the
     P x T partial output rows; gloo all-reduces the whole input (``docs/bytes.md``), so it

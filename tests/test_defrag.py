@@ -4,6 +4,7 @@ losing any, and costs copy-stream time in the simulator and a measured device co
 real ranks; both backends make the same moves."""
 
 import numpy as np
+import pytest
 
 from testbed.page_moves import DEFRAG, GPU
 from testbed.pager import RankPager
@@ -47,6 +48,7 @@ def drifting(repo_root, tmp_path, steps=40, **pager):
     return s.replace(pager=pager, run={"steps": steps, "output_dir": str(tmp_path)})
 
 
+@pytest.mark.slow
 def test_both_backends_compact_alike_and_keep_the_weights(repo_root, tmp_path):
     s = drifting(repo_root, tmp_path, steps=16, defrag_interval=1).replace(real={"check_weights": True})
     real = run_scenario(s, "real")  # every rank checks its pages against an unpaged copy each step
@@ -57,6 +59,7 @@ def test_both_backends_compact_alike_and_keep_the_weights(repo_root, tmp_path):
     assert real["bytes_by_level"] == replay["bytes_by_level"]
 
 
+@pytest.mark.slow
 def test_the_threshold_triggers_only_above_it_and_compaction_costs_copy_time(repo_root, tmp_path):
     never = run_scenario(drifting(repo_root, tmp_path), "sim")
     always = run_scenario(drifting(repo_root, tmp_path, defrag_interval=1), "sim")

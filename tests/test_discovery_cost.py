@@ -19,6 +19,7 @@ def scenario(tmp_path, ep=2):
     })
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sim", "real"])
 def test_discovery_is_timed_where_it_runs(tmp_path, backend):
     """With 2 replicas every step discovers the active groups: a positive time, a small

@@ -51,6 +51,7 @@ def test_the_simulated_router_picks_a_local_expert_e_to_the_bias_times_as_often(
     assert np.allclose(q.sum(axis=2), 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sim", "real"])
 def test_a_local_first_bias_moves_token_bytes_from_the_spine_to_nvlink(tmp_path, backend):
     plain = run_scenario(scenario(tmp_path, 0.0), backend)
@@ -59,6 +60,7 @@ def test_a_local_first_bias_moves_token_bytes_from_the_spine_to_nvlink(tmp_path,
     assert biased["bytes_by_level"]["spine"] < 0.8 * plain["bytes_by_level"]["spine"]
 
 
+@pytest.mark.slow
 def test_real_ranks_with_the_bias_compute_the_reference(tmp_path):
     s = scenario(tmp_path, 1.0, steps=1, warmup=0)
     result = RealBackend().run(s, debug={"capture": True})

@@ -23,6 +23,7 @@ def test_the_zipf_exponent_that_makes_the_first_3_of_23_pages_cover_87_percent()
     assert zipf_exponent_for(3, 0.87) is None and zipf_exponent_for(23, 0.1) is None
 
 
+@pytest.mark.slow
 def test_real_ranks_read_every_page_of_an_expert_equally_often(tmp_path):
     """Pages of 1 KiB, experts of 12 KiB (12 pages): whatever the routing, each expert's
     pages are read the same number of times, so the first 3 take 3 / 12 of its reads."""

@@ -108,6 +108,7 @@ def test_report_formats_by_figure_name():
 
 
 # ---- one ledger, simulated, quick --------------------------------------------------------
+@pytest.mark.slow
 def test_sim_quick_ledger_has_every_claim_with_its_runs(claims, tmp_path, capsys):
     report = tmp_path / "claims.html"
     args = ["--backends", "sim", "--quick", "--no-progress", "--json", "--output-dir", str(tmp_path / "runs"),

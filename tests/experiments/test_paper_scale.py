@@ -17,6 +17,7 @@ def paper_scale():
     return load_experiment("paper_scale")
 
 
+@pytest.mark.slow
 def test_quick_compares_the_two_configurations_and_writes_its_report(paper_scale, tmp_path, capsys):
     report = tmp_path / "paper_scale.html"
     args = ["--quick", "--backends", "sim", "--json", "--no-progress", "--output-dir", str(tmp_path / "runs"),

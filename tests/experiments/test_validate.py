@@ -56,6 +56,7 @@ def test_a_missing_profile_is_one_line(tmp_path, repo_root, capsys, monkeypatch)
     assert len(err) == 1 and "testbed calibrate --name nosuchprofile" in err[0]
 
 
+@pytest.mark.slow
 def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path):
     from real.calibrate import calibrate
 

@@ -52,6 +52,7 @@ def same_final_weights(a, b):
             assert torch.equal(wa, wb) and torch.equal(ba, bb)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deferred", [False, True])
 def test_killed_run_resumes_bit_identically(tmp_path, deferred):
     """With heat.deferred (M18) every checkpoint (after steps 2, 4, 6: heat updates are due
@@ -72,6 +73,7 @@ def test_killed_run_resumes_bit_identically(tmp_path, deferred):
     assert "experts-00000004.pt" in names and "optimizer-00000008-from-00000006.pt" in names
 
 
+@pytest.mark.slow
 def test_resumed_run_folder_continues_its_steps_and_routing(tmp_path):
     s = scenario(tmp_path)
     done = run_scenario(s, "real")

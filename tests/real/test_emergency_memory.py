@@ -30,6 +30,7 @@ def emergencies(result) -> int:
     return summarize(result.records, 0)["moves_by_reason"].get("emergency", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [SimBackend, RealBackend])
 def test_short_device_memory_evicts_pages(tmp_path, backend):
     """4 local experts x 3 pages = 48 KiB of pool. A device of 60 KiB keeps 3 KiB free:

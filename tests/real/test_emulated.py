@@ -59,6 +59,7 @@ def no_new_namespaces():
     assert not left, f"left behind: {sorted(left)}"
 
 
+@pytest.mark.slow
 @needs_root
 def test_an_emulated_run_measures_wire_bytes_that_the_simulator_predicts(tmp_path, no_new_namespaces):
     # messages of tens of KB, as in a training step: the simulator counts payload, headers
@@ -118,6 +119,7 @@ def _wait_for_a_step(tmp_path, proc, timeout_s=120):
     raise AssertionError("no step within the time limit")
 
 
+@pytest.mark.slow
 @needs_root
 def test_ctrl_c_during_an_emulated_run_leaves_nothing_behind(tmp_path, no_new_namespaces):
     args = ["run", "--backend", "real", "--no-progress"] + sum(
@@ -133,6 +135,7 @@ def test_ctrl_c_during_an_emulated_run_leaves_nothing_behind(tmp_path, no_new_na
     assert "stopped" in err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @needs_root
 def test_testbed_net_clean_clears_up_after_a_killed_run(tmp_path, no_new_namespaces):
     before = set(existing_namespaces())
@@ -183,6 +186,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_rank_that_dies_stops_the_run_and_the_cluster_goes_with_it(tmp_path, no_new_namespaces):
     from real.backend import RealBackend

@@ -27,6 +27,7 @@ def scenario(world, token, sync, tmp_path):
     })
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("token, sync", STRATEGIES)
 def test_matches_single_process_reference(world, token, sync, tmp_path, float_bound):
@@ -48,6 +49,7 @@ def test_matches_single_process_reference(world, token, sync, tmp_path, float_bo
     assert len(result.captured) == world
 
 
+@pytest.mark.slow
 def test_router_gradients_all_reduced_in_buckets_match_the_reference(tmp_path, float_bound):
     """DDP-style buckets (``comm.grad_bucket_bytes``): a bucket of one layer's router
     gradient each, all-reduced one after the other, still sum every rank's gradient."""

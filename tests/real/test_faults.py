@@ -9,6 +9,7 @@ from testbed.errors import RunError
 from testbed.scenario import Scenario
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_quickly(tmp_path):
     s = Scenario.from_dict({
         "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 1, "microclusters": 1},

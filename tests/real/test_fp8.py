@@ -35,6 +35,7 @@ def test_grad_scale_is_a_power_of_two():
     assert k == int(k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token", ["alltoall", "allgather"])
 def test_fp8_payloads_stay_close_to_the_reference(token, tmp_path):
     s = Scenario.from_dict({

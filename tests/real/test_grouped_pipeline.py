@@ -118,6 +118,7 @@ def scenario(tmp_path, **pager):
 
 @pytest.mark.parametrize("pager", [{"enabled": False}, {"pipeline_pages": True}, {"defrag_interval": 1},
                                    {"gpu_budget_bytes": 40000, "pipeline_pages": True}])
+@pytest.mark.slow
 def test_a_run_on_the_grouped_kernel_matches_the_reference(tmp_path, pager, float_bound):
     """Unpaged (rows of one tensor), paged and pipelined block by block (forced: on CPU
     nothing is in flight), paged with compaction, paged into too few slots; outputs and

@@ -13,6 +13,7 @@ from testbed.errors import ScenarioError
 from testbed.runner import run_scenario
 from testbed.scenario import Scenario
 
+@pytest.mark.slow
 def test_torchrun_runs_the_same_entry_point(tmp_path, repo_root, two_ranks):
     overrides = [f"{section}.{k}={json.dumps(v)}" for section, kv in two_ranks.items() for k, v in kv.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -55,6 +56,7 @@ def test_simulated_only_options_fail_fast(section, fields, name, tmp_path, two_r
         RealBackend().run(s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("progress", [True, False])
 def test_starting_ranks_is_shown_where_progress_is(tmp_path, two_ranks, capfd, progress):
     """The several seconds the ranks take to start (each imports torch, joins the group

@@ -4,10 +4,13 @@ beside the run; per-stage times; frozen (cold) experts stay routable (M19)."""
 
 import json
 
+import pytest
+
 from real.backend import RealBackend
 from testbed.scenario import Scenario
 
 
+@pytest.mark.slow
 def test_measured_heat_and_profiler_traces(tmp_path):
     s = Scenario.from_dict({
         "model": {"hidden_size": 32, "ffn_hidden_size": 64},

@@ -293,6 +293,7 @@ def test_namespaces_without_a_registry_file_belong_to_a_dead_owner(fabric):
     assert not set(fabric.namespaces) & set(existing_namespaces())
 
 
+@pytest.mark.slow
 @needs_root
 def test_same_node_traffic_uses_nvlink_only(fabric):
     before = fabric.counters()
@@ -399,6 +400,7 @@ GLOO_RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_root
 def test_gloo_ranks_in_two_microclusters_all_reduce_over_the_spine(fabric):
     before = fabric.counters()

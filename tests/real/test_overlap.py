@@ -34,6 +34,7 @@ def scenario(world, micro_batches, tmp_path, **overrides):
     return Scenario.from_dict(d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, micro_batches", [(2, 2), (4, 3)])
 def test_micro_batches_compute_what_one_batch_computes(world, micro_batches, tmp_path, float_bound):
     s = scenario(world, micro_batches, tmp_path)
@@ -50,6 +51,7 @@ def test_micro_batches_compute_what_one_batch_computes(world, micro_batches, tmp
             close(b, rb, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_with_backward", [False, True])
 def test_overlap_moves_the_bytes_and_pages_the_simulator_counts(sync_with_backward, tmp_path):
     """Per stage and level, the real ranks' bytes equal the simulator's replay of their
@@ -140,6 +142,7 @@ def test_micro_batches_with_another_token_strategy_are_refused(tmp_path):
         RealBackend().check(s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["allreduce", "two_stage"])
 def test_sync_during_the_backward_gives_the_gradients_and_weights_of_sync_after_it(sync, tmp_path, float_bound):
     """overlap.sync_with_backward: expert and router gradients are synced as their layers'

@@ -34,6 +34,7 @@ def test_segments_that_stop_short_are_an_error():
         blocked_ffn(torch.zeros(2, 4), [(0, flat[:45])], 4, 6)
 
 
+@pytest.mark.slow
 def test_a_run_with_pipelined_pages_matches_the_reference(tmp_path, float_bound):
     """Pages of 1,000 elements (rows of 48 split across pages), every expert read page by
     page (on CPU nothing is in flight: the blocks are forced), outputs and gradients as

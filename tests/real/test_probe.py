@@ -28,6 +28,7 @@ def wakes(result) -> int:
     return summarize(result.records, 0)["moves_by_reason"].get("wake", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, steps", [(SimBackend, 40), (RealBackend, 12)])
 def test_only_probes_that_answer_in_time_wake(tmp_path, backend, steps):
     assert wakes(backend().run(heat_drift(tmp_path / "a", steps, 1000.0))) > 0
@@ -58,6 +59,7 @@ def test_the_modelled_answer_is_the_pages_copied_then_the_forward(tmp_path):
     assert probe.answer_s(0, own) == pytest.approx(copies + compute)
 
 
+@pytest.mark.slow
 def test_a_deferred_heat_update_on_real_ranks(tmp_path):
     """heat.deferred (M18) on 4 CPU ranks with checkpoints (the controller is pickled with
     an update pending): cold migrations and wake-ups still happen, at the next step's

@@ -3,6 +3,7 @@ within each EP group, refresh requests within replica groups, one active-group d
 and one heat all-reduce per step, router gradients in buckets."""
 
 import torch
+import pytest
 
 from testbed.planner import Planner
 from testbed.runner import run_scenario
@@ -24,6 +25,7 @@ def scenario(tmp_path, ep):
     })
 
 
+@pytest.mark.slow
 def test_counts_travel_within_ep_groups_and_the_replay_moves_the_same_bytes(tmp_path):
     s = scenario(tmp_path, 2)
     real = run_scenario(s, "real")
@@ -42,6 +44,7 @@ def test_counts_travel_within_ep_groups_and_the_replay_moves_the_same_bytes(tmp_
     assert heat <= real["bytes_by_stage"]["heat"] < heat + 2 * 3 * (m.num_layers * m.num_experts * 8) / 2
 
 
+@pytest.mark.slow
 def test_stale_replicas_are_refreshed_from_replicas_that_are_up_to_date(tmp_path):
     """EP 1: 4 replicas of every expert; under two-stage sync a stale replica needed by
     several ranks in one layer is sent by a replica that was up to date before the layer,

@@ -39,6 +39,7 @@ def partial_groups(routed: np.ndarray, scenario: Scenario) -> int:
     return int((used.any(axis=2) & ~used.all(axis=2)).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, replicas", [(4, 2), (8, 2), (8, 4)])
 def test_two_stage_with_partial_groups_and_stale_replicas_matches_the_reference(world, replicas, tmp_path,
                                                                                   float_bound):

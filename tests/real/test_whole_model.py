@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
     return s, real, replay
 
 
+@pytest.mark.slow
 def test_real_whole_model_and_its_replay_move_the_same_bytes(runs):
     """The dense gradients (attention, dense FFN, embedding and head, in the routers'
     buckets) are summed over all ranks as the planner costs them; everything else too."""
@@ -95,6 +96,7 @@ def test_adam_matches_torch(tmp_path, decay):
     assert ours.nbytes == 12 * 50
 
 
+@pytest.mark.slow
 def test_killed_whole_model_run_resumes_bit_identically(tmp_path):
     """Dense weights and the Adam state are in the optimizer checkpoints: a run killed
     after 5 steps and resumed from the checkpoint at 4 continues as the run never stopped."""
@@ -131,6 +133,7 @@ def test_what_only_the_simulator_models_is_refused(tmp_path, over, field):
     assert field in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path, sequence_parallel, float_bound):
     """TP = 2 (groups {0, 1} and {2, 3}, each a node) with or without sequence parallelism,
@@ -158,6 +161,7 @@ def test_tensor_parallel_ranks_compute_what_whole_ones_do(tmp_path, sequence_par
     assert got["parameters"] < whole["memory_breakdown_bytes"]["parameters"]
 
 
+@pytest.mark.slow
 def test_the_shipped_whole_model_config_runs_on_both_backends(tmp_path, repo_root):
     """configs/whole-cpu.toml (TP 2 x EP 2, paged experts, Adam) for 4 steps: the real run
     learns and its replay moves the same bytes."""
@@ -171,6 +175,7 @@ def test_the_shipped_whole_model_config_runs_on_both_backends(tmp_path, repo_roo
     assert real["bytes_by_stage"] == replay["bytes_by_stage"] and real["bytes_by_stage"]["dense"] > 0
 
 
+@pytest.mark.slow
 def test_pipeline_stages_compute_what_one_stage_does(tmp_path, float_bound):
     """PP = 2 on 4 ranks (stage 0: ranks 0-1 with layers 0-1 and the embedding; stage 1:
     ranks 2-3 with layers 2-3 and the head), one micro-batch a step: the same losses and
@@ -194,6 +199,7 @@ def test_pipeline_stages_compute_what_one_stage_does(tmp_path, float_bound):
     assert sim["pipeline"]["bubble_fraction"] >= 0.5
 
 
+@pytest.mark.slow
 def test_killed_pipeline_run_resumes_bit_identically(tmp_path):
     """PP = 2: each rank of each stage checkpoints into its own folder (its global rank);
     a run killed after 3 steps continues from the checkpoint at 2 as the run never stopped."""

@@ -10,6 +10,7 @@ Memory heat (M18) is what the pagers counted.
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sim.backend import SimBackend, decide_step, routing_source
 from testbed.controller import Controller
@@ -51,6 +52,7 @@ def test_a_deferred_update_lands_in_the_next_steps_first_layer_and_spares_pinned
     assert migrated > 0 and spared > 0  # the check had something to decide, both ways
 
 
+@pytest.mark.slow
 def test_deferring_moves_the_heat_work_into_the_next_step():
     plain = SimBackend().run(heat_drift())
     deferred = SimBackend().run(heat_drift(deferred=True))

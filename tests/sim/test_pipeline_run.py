@@ -75,6 +75,7 @@ def test_interleaving_shrinks_the_bubble_and_holds_more(tmp_path):
     assert inter["memory_breakdown_bytes"]["activations"] > plain["memory_breakdown_bytes"]["activations"]
 
 
+@pytest.mark.slow
 def test_micro_batches_without_pipeline_accumulate(tmp_path):
     """p = 1, m = 4: four micro-batches back to back, no bubble, a quarter of the
     activations held; the byte counts of the token exchange stay those of the whole

@@ -111,6 +111,7 @@ def test_bad_kind_from_the_command_line_has_no_traceback(tmp_path):
                                   "or all_to_all (or nccl-tests' allreduce, allgather, reducescatter, alltoall)")
 
 
+@pytest.mark.slow
 def test_a_small_real_run_prints_a_table_with_positive_times(tmp_path):
     out = subprocess.run([sys.executable, "-m", "testbed.cli", "collective", "allreduce", "--backend", "real",
                           "--gpus", "2", "--sizes", "4K:64K", "-f", "4", "--iters", "3", "--warmup", "1"],

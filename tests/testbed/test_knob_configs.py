@@ -119,6 +119,7 @@ def test_heat_drift_heat_policies_fire(repo_root, tmp_path):
     assert moves.get("emergency", 0) == 0
 
 
+@pytest.mark.slow
 def test_heat_drift_weights_change_moves_and_step_time(repo_root, tmp_path):
     runs = {w: _run(repo_root, tmp_path, "heat-drift", heat=dict(zip(("alpha", "beta", "gamma"), w)))[0]
             for w in ((0.5, 0.3, 0.2), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))}

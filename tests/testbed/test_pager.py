@@ -385,6 +385,7 @@ def histories(draw):
     return n_experts, expert_bytes, config, draw(st.lists(op, max_size=40))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(histories())
 def test_any_history_keeps_every_page_and_the_table_consistent(history):

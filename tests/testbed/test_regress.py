@@ -78,6 +78,7 @@ def _lines(out: str, name: str) -> list[str]:
 
 
 # ---- (1) the shipped golden file ---------------------------------------------------------
+@pytest.mark.slow
 def test_the_shipped_golden_file_is_what_update_writes_now(suite):
     # the one test that reads the shipped file: after a change of the model, a profile or a
     # policy it is out of date until regenerated (and the diff reviewed)
@@ -242,6 +243,7 @@ def _floor_capacity(tokens, top_k, num_experts, capacity_factor, ep_size=1, pad_
     return max(1, math.floor(tokens * top_k / num_experts * capacity_factor))
 
 
+@pytest.mark.slow
 def test_capacity_rounded_down_fails_the_regress(suite, tmp_path, monkeypatch, capsys):
     # the capacity-factor sweep alone, rerun in this process (jobs 1: the patch reaches it)
     # against the golden entries of this tree's unpatched run

@@ -158,7 +158,7 @@ def test_a_simulated_and_a_measured_run_of_one_scenario_say_why_they_differ(tmp_
     real = paired_run(tmp_path, "real", 0.120, 0, profile="local-cpu", profile_calibrated_here=False,
                       routing_source="real router", device="cpu", ranks=8, host_cpu_count=2)
     found = findings_of(write_comparison_report([sim, real], tmp_path / "r.html").read_text())
-    assert len(found) == 2
+    assert len(found) == 2  # no peak-memory note in these summaries
     why = found[1]
     assert why.startswith("The simulated step of sim is 0.05x the measured one of real: ")
     assert "local-cpu profile, which was not calibrated on this machine" in why
@@ -189,3 +189,12 @@ def test_cli_report_latest_takes_the_newest_run_of_a_scenario_per_backend(tmp_pa
                      str(tmp_path / "m.html")]) == 2
     assert "no complete run of this scenario" in capsys.readouterr().err
     assert cli_main(["report", "-o", str(tmp_path / "n.html")]) == 2
+
+
+def test_a_measured_peak_is_set_beside_the_simulated_one_with_what_it_leaves_out(tmp_path):
+    sim = paired_run(tmp_path, "sim", 0.006, 0, profile_calibrated_here=True, routing_source="replayed trace of x")
+    real = paired_run(tmp_path, "real", 0.008, 0, profile_calibrated_here=True, routing_source="real router",
+                      peak_memory_note="the CPU peak leaves out collective buffers")
+    found = findings_of(write_comparison_report([sim, real], tmp_path / "r.html").read_text())
+    assert found[-1] == ("Peak memory: 0.00 MiB simulated against 0.00 MiB measured; the CPU peak leaves out "
+                         "collective buffers.")

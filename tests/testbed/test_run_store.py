@@ -83,6 +83,7 @@ def test_refused_runs_leave_no_folder(tmp_path, two_ranks):
     assert not out.exists() or not [p for p in out.iterdir() if p.is_dir()]
 
 
+@pytest.mark.slow
 def test_a_refused_resume_changes_nothing_in_the_run_it_refused(tmp_path, two_ranks):
     s = scenario(tmp_path, two_ranks)
     done = run_scenario(s, "real")  # a complete run without checkpoints

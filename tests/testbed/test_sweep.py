@@ -76,6 +76,7 @@ def test_sim_sweep_speedups_table_and_invalid_points(tmp_path):
     assert run_sweep(sweep, jobs=1, progress=False, fresh=True).ran == 2
 
 
+@pytest.mark.slow
 def test_parallel_executors_give_the_same_results(tmp_path):
     """joblib's process pool, a dask cluster the sweep starts itself, and an existing dask
     cluster named by its scheduler's address give the same simulated steps."""
@@ -112,6 +113,7 @@ print("done")
 """
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_half_way_finishes_every_point_exactly_once(tmp_path):
     data = tiny(tmp_path, run={"steps": 12}).to_dict()
     script = KILLED_SWEEP.format(data=data)
