@@ -15,7 +15,7 @@ import time
 from real.adam import STATE_BYTES as ADAM_STATE_BYTES
 from real.checkpoint import checkpoint_dir, resumable_steps
 from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env, usable_cores
-from real.memory_meter import CUDA_PEAK_LEAVES_OUT
+from real.memory_meter import CPU_PEAK_LEAVES_OUT, CUDA_PEAK_LEAVES_OUT
 from real.netem import check_privileges
 from real.worker import stream_of
 from testbed.backend import RunResult
@@ -165,8 +165,8 @@ class RealBackend:
                  "wall_time_s": time.perf_counter() - wall0, "exposed_s": _exposed_s(records, scenario)}
         if records:  # the last step's, on its fullest rank, measured (real.worker)
             extra["memory_breakdown_bytes"] = records[-1].extra.get("memory_breakdown_bytes", {})
-        if device == "cuda":  # beside the peak wherever it is compared with the simulator's
-            extra["peak_memory_note"] = CUDA_PEAK_LEAVES_OUT
+        # beside the peak wherever it is compared with the simulator's
+        extra["peak_memory_note"] = CUDA_PEAK_LEAVES_OUT if device == "cuda" else CPU_PEAK_LEAVES_OUT
         if resume is not None and resume is not False:
             extra["resumed_from"] = payload["first_step"]
         return RunResult(scenario, records, payload["trace"], routing, extra, captured=payload.get("captured"))

@@ -17,6 +17,10 @@ import torch
 #: what a CUDA run's ``peak_memory_bytes`` does not hold, said beside its comparison with the simulator's
 CUDA_PEAK_LEAVES_OUT = ("the CUDA peak is torch's allocator's: it leaves out the buffers NCCL allocates for its "
                         "communicators, which the simulator's peak counts (comm buffers and communicators)")
+#: the same for a CPU run, whose peak is the sum of the categories the rank tracks
+CPU_PEAK_LEAVES_OUT = ("the CPU peak sums the rank's expert pages, activations and gradients (and the whole model's "
+                       "parameters and optimizer state): it leaves out collective buffers and communicators, which "
+                       "the simulator's peak counts")
 
 
 def gradient_bytes(state) -> int:

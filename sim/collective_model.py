@@ -58,9 +58,10 @@ bandwidth, summed over stages (``predicted``), linear in the op's size and so ca
 
 On one link class of bandwidth B the ring gives the nccl-tests closed forms: all-reduce
 time = 2(p-1)/p * S / B (bus bandwidth = algbw * 2(p-1)/p = B), all-gather and
-reduce-scatter busbw = algbw * (p-1)/p = B. ``op.wire_bytes`` (what both backends
-report) stays the standard algorithm's; ``wire_bytes_on_fabric(op)`` is what this
-profile's algorithm really sends.
+reduce-scatter busbw = algbw * (p-1)/p = B. The bytes both backends report are those of
+the algorithm the library runs as ``testbed.collectives`` counts them (gloo's
+reduce-scatter as its all-reduce); ``wire_bytes_on_fabric(op)`` is what this profile's
+algorithm sends on the fabric (NCCL's trees, NVLS, hierarchical variants).
 """
 
 from __future__ import annotations

@@ -290,7 +290,8 @@ def format_summary(s: dict) -> str:
         f"stages     {stages}",
         f"bytes      {stage_bytes or '0'}  (per step, all ranks)",
         f"levels     {levels}  (payload, each transfer once)",
-        f"memory     peak {format_bytes(s['peak_memory_bytes'])} on the fullest rank",
+        f"memory     peak {format_bytes(s['peak_memory_bytes'])} on the fullest rank"
+        + (f" ({s['peak_memory_note']})" if s.get("peak_memory_note") else ""),
         f"dropped    {100 * s['dropped_token_fraction']:.2f}% of routed slots",
         f"paging     {s['page_moves_per_step']:.1f} page moves per step",
         f"cache      {'n/a (no cached groups)' if hit is None else f'{100 * hit:.1f}% hit rate'}",

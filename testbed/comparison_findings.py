@@ -104,4 +104,12 @@ def comparison_findings(runs: Sequence[RunLike]) -> list[str]:
                    + (": " + "; ".join(reasons) + "." if reasons else
                       "; both used a calibrated profile and the same routing, so the difference is the simulator's "
                       "error on this machine."))
+        if real.summary.get("peak_memory_note"):  # the two peaks do not count the same things
+            out.append(f"Peak memory: {_mib(sim.summary.get('peak_memory_bytes', 0))} simulated against "
+                       f"{_mib(real.summary.get('peak_memory_bytes', 0))} measured; "
+                       f"{real.summary['peak_memory_note']}.")
     return out
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"

@@ -284,5 +284,5 @@ def bytes_by_level_figure(result, title: str):
 
 
 #: the report column of peak memory per GPU (MiB), simulated / measured
-PEAK_MEMORY_COLUMN = ("peak memory sim / real",
+PEAK_MEMORY_COLUMN = ("peak memory sim / real (the measured peak leaves out comm buffers and communicators)",
                       lambda p: both(p, "peak_memory_bytes", lambda v: f"{v / 2**20:.2f} MiB"))
