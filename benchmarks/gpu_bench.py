@@ -2,7 +2,7 @@
 
 Prints one line per measurement with its goal and PASS / MISS:
 
-1. expert FFN TFLOP/s: the grouped GEMM path of ``real.experts`` (``torch._grouped_mm``,
+1. expert FFN TFLOP/s: the grouped GEMM path of ``real.kernels.experts`` (``torch._grouped_mm``,
    what ``PagedExpertFFN`` runs on CUDA bf16) against ``torch.bmm`` at the same shapes,
    the MoE shapes of ``benchmarks/h200-ceilings.json`` (E experts x T tokens each, hidden H, ffn F;
    4 E T H F FLOPs, gelu included in both). Goal: >= 85 % of bmm. The per-expert loop
@@ -16,7 +16,7 @@ Prints one line per measurement with its goal and PASS / MISS:
 4. the page-pipelined expert FFN (M14: computed page by page as its pages arrive, on the
    per-expert loop and on the grouped GEMM) against load-then-compute, per tokens per expert and page size. Goal: >= 1.3x
    at the best page size with >= 2,048 tokens per expert.
-5. router (``testbed.router.route``) + permutation (source order, expert layout and the
+5. router (``testbed.policy.router.route``) + permutation (source order, expert layout and the
    weighted combine) as a share of the expert FFN forward at a realistic shape. Goal: <= 10 %.
 
 Without CUDA the same code runs with small shapes on the CPU, every line labelled
@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from real.experts import (  # noqa: E402
+from real.kernels.experts import (  # noqa: E402
     GroupLayout,
     combine_slots,
     expert_ffn,
@@ -45,13 +45,13 @@ from real.experts import (  # noqa: E402
     grouped_supported,
     source_slots,
 )
-from real.page_pipeline import blocked_ffn  # noqa: E402
-from real.paged_store import PagedExpertStore  # noqa: E402
-from testbed.capacity import expert_capacity  # noqa: E402
-from testbed.heat import COLD  # noqa: E402
-from testbed.pager import RankPager  # noqa: E402
-from testbed.router import route  # noqa: E402
-from testbed.scenario import PagerConfig, RouterConfig  # noqa: E402
+from real.kernels.page_pipeline import blocked_ffn  # noqa: E402
+from real.paging.paged_store import PagedExpertStore  # noqa: E402
+from testbed.policy.capacity import expert_capacity  # noqa: E402
+from testbed.policy.heat import COLD  # noqa: E402
+from testbed.policy.pager import RankPager  # noqa: E402
+from testbed.policy.router import route  # noqa: E402
+from testbed.scenario.sections import PagerConfig, RouterConfig  # noqa: E402
 
 CEILINGS = ROOT / "benchmarks" / "h200-ceilings.json"  # measured on an H200; its "source" says how
 GPU_SHAPES = [(8, 4096, 4096, 14336), (64, 512, 4096, 1408), (128, 1024, 2048, 1408)]
@@ -227,7 +227,7 @@ def overlap(b: Bench, shape, copy_bytes: int, page: int) -> None:
 def page_pipeline(b: Bench, experts: int, h: int, f: int, tokens_list, pages_mb) -> None:
     """Every expert's pages start on the host; load-then-compute issues all copies and
     computes once the pages are in; pipelined computes as the pages arrive. Two kernels:
-    ``loop``, each expert page by page (``real.page_pipeline.blocked_ffn`` on
+    ``loop``, each expert page by page (``real.kernels.page_pipeline.blocked_ffn`` on
     ``PagedExpertStore.segments``), and ``grouped`` (CUDA bf16), one grouped GEMM over
     every expert contracted block by block (``grouped_blocked`` on the store's in-place
     ``stacked`` weights). Goal: the pipelined FFN >= 1.3x faster at its best page size

@@ -8,7 +8,7 @@
 #      each line with its goal and PASS / MISS;
 #   3. testbed calibrate --device cuda --quick (into a scratch folder) and the built-in h200
 #      profile against what it measured (benchmarks/profile_check.py), with the device
-#      calibration's CUDA tests (tests/real/test_device_bench.py).
+#      calibration's CUDA tests (tests/real/calibrate/test_device_bench.py).
 # The GPU machine has torch and numpy but none of the project's other packages and no
 # network: carry their wheels in .wheels/ (pip download -d .wheels tomli-w simpy networkx
 # scipy plotly joblib tqdm, then name .wheels in the run's carry) and this script installs
@@ -48,7 +48,7 @@ if [ "$gpus" -ge 1 ]; then
             || echo "[$(ts)] could not install every carried wheel (.wheels/)"
     fi
     if $PY -c 'import pytest' 2>/dev/null; then
-        $PY -m pytest -m cuda -q -rs -p no:cacheprovider tests/real/test_device_bench.py || status=1
+        $PY -m pytest -m cuda -q -rs -p no:cacheprovider tests/real/calibrate/test_device_bench.py || status=1
     fi
     if $PY -c 'import tomli_w' 2>/dev/null; then
         out=$(mktemp -d)

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from testbed.runner import run_scenario  # noqa: E402
-from testbed.scenario_file import load_scenario  # noqa: E402
+from testbed.run.runner import run_scenario  # noqa: E402
+from testbed.scenario.file import load_scenario  # noqa: E402
 
 #: every mechanism of the list off, whatever the file says: the row each variant is judged on
 BASELINE = {"pager": {"prefetch_ahead": False, "pipeline_pages": False, "eviction_order": "clean_first",

@@ -19,8 +19,8 @@ import sys
 import tempfile
 
 from real.netem import privileges_missing
-from testbed.runner import run_scenario
-from testbed.scenario import Scenario
+from testbed.run.runner import run_scenario
+from testbed.scenario.scenario import Scenario
 
 VARIANTS = {  # name -> [overlap] fields
     "none": {},

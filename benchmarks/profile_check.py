@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from testbed.errors import ScenarioError, run_as_command
-from testbed.profile import CALIBRATE_TOOL, MachineProfile, load_profile
+from testbed.core.errors import ScenarioError, run_as_command
+from testbed.scenario.profile import CALIBRATE_TOOL, MachineProfile, load_profile
 
 MiB = 2**20
 

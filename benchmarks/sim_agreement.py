@@ -26,8 +26,8 @@ in both modes by construction). Goal (issue 11): median <= 5%, worst <= 10%.
     python benchmarks/sim_agreement.py --sizes 128 --scenarios strided
     python benchmarks/sim_agreement.py --seed 7                       # another routing draw
 
-Flow mode runs with ``sim.flow_executor.run_flows`` where that module exists (flow mode
-that reaches 512 GPUs in seconds), else with ``sim.schedule.run_flows`` (minutes at 512).
+Flow mode runs with ``sim.step.flow_executor.run_flows`` where that module exists (flow mode
+that reaches 512 GPUs in seconds), else with ``sim.step.schedule.run_flows`` (minutes at 512).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import numpy as np
 
 import sim.backend
 from sim.backend import SimBackend
-from testbed.scenario_file import load_scenario
-from testbed.stages import STAGES
+from testbed.core.stages import STAGES
+from testbed.scenario.file import load_scenario
 
-if importlib.util.find_spec("sim.flow_executor") is not None:
-    from sim.flow_executor import run_flows as fast_run_flows
+if importlib.util.find_spec("sim.step.flow_executor") is not None:
+    from sim.step.flow_executor import run_flows as fast_run_flows
 
     sim.backend.run_flows = fast_run_flows  # what the backend's flow mode calls (no-op once it does)
 

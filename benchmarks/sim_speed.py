@@ -6,8 +6,8 @@ and prints wall time per step and events per second. An *event* is one phase exe
 on one GPU (a kernel, a batch of collectives, a page copy) or one collective op. One
 step per size after a warm-up step; wall times exclude loading and the warm-up.
 
-Flow mode runs on ``sim.flow_executor.run_flows`` (no simpy process per GPU stream;
-``--executor streams`` times the process-per-stream ``sim.schedule.run_flows`` instead,
+Flow mode runs on ``sim.step.flow_executor.run_flows`` (no simpy process per GPU stream;
+``--executor streams`` times the process-per-stream ``sim.step.schedule.run_flows`` instead,
 which cannot reach 512 GPUs in reasonable time). Goals (issue 11): flow mode at 512 GPUs
 <= 60 s per step, on paper-1440 <= 5 min per step.
 
@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from sim import backend, flow_executor, schedule
+from sim import backend
 from sim.backend import ClusterSim, routing_source
-from testbed.profile import load_profile
-from testbed.scenario_file import load_scenario
+from sim.step import flow_executor, schedule
+from testbed.scenario.file import load_scenario
+from testbed.scenario.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {  # GPUs: (nodes per micro-cluster, micro-clusters, EP size)
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", type=lambda t: parse_list(t, MODES), default=list(MODES),
                     help="comma-separated network modes (default: analytic,flow)")
     ap.add_argument("--executor", choices=sorted(EXECUTORS), default="phases",
-                    help="flow-mode executor: phases (sim.flow_executor) or streams (sim.schedule)")
+                    help="flow-mode executor: phases (sim.step.flow_executor) or streams (sim.step.schedule)")
     args = ap.parse_args(argv)
     print(f"{'GPUs':>5} {'mode':>8} {'setup s':>8} {'wall s/step':>12} {'events/step':>12} "
           f"{'events/s':>10} {'solves/step':>12} {'sim step s':>11} {'pagers':>7}")

@@ -41,29 +41,29 @@ import json
 import sys
 import time
 
-from testbed.claims_ledger import (
-    NAME,
-    at,
-    QUESTION,
-    Ledger,
-    backends_of,
-    load_experiment,
-    side,
-)
-from testbed.claims_report import write_claims_report
-from testbed.errors import run_as_command
-from testbed.experiment import (
+from testbed.cli.experiment import (
     ROOT,
     Experiment,
     parser,
     resolve_options,
     writable_report,
 )
-from testbed.files import write_atomic
-from testbed.run_figures import (
+from testbed.core.errors import run_as_command
+from testbed.core.files import write_atomic
+from testbed.report.claims import write_claims_report
+from testbed.study.claims_ledger import (
+    NAME,
+    QUESTION,
+    Ledger,
+    at,
+    backends_of,
+    load_experiment,
+    side,
+)
+from testbed.study.run_figures import (
     scenario_of,
 )
-from testbed.verdicts import (  # noqa: F401 (HOLDS: the verdict names, read from this module by tests)
+from testbed.study.verdicts import (  # noqa: F401 (HOLDS: the verdict names, read from this module by tests)
     CONDITIONAL,
     FAILS,
     HOLDS,

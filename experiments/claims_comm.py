@@ -5,7 +5,7 @@ Loaded by ``experiments/claims.py``.
 
 Each claim has two halves: ``cN(ledger)`` runs (or reuses) its scenarios and keeps their
 numbers in a ``Claim``; ``judge_cN(claim, ...)`` sets the verdict, the conditions and the
-reason from those numbers alone (the rules of ``testbed.verdicts``), so every verdict a
+reason from those numbers alone (the rules of ``testbed.study.verdicts``), so every verdict a
 claim can reach is tested on given numbers (tests/experiments/test_claim_verdicts.py).
 """
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from testbed.claims_ledger import (
+from testbed.policy.collectives import reduce_scatter_runs_as_all_reduce
+from testbed.scenario.profile import load_profile, save_profile
+from testbed.study.claims_ledger import (
     C12_LAYERS,
     PAYLOAD,
     SPARSE,
@@ -24,9 +26,7 @@ from testbed.claims_ledger import (
     names,
     side,
 )
-from testbed.collectives import reduce_scatter_runs_as_all_reduce
-from testbed.profile import load_profile, save_profile
-from testbed.run_figures import (
+from testbed.study.run_figures import (
     active_groups,
     mean,
     network_bytes,
@@ -36,7 +36,7 @@ from testbed.run_figures import (
     token_time,
     utilisation,
 )
-from testbed.verdicts import (
+from testbed.study.verdicts import (
     C16_BOUND,
     C16_HEALTHY,
     CONDITIONAL,

@@ -4,7 +4,7 @@ heat update's cost). Loaded by ``experiments/claims.py``.
 
 Each claim has two halves: ``cN(ledger)`` runs (or reuses) its scenarios and keeps their
 numbers in a ``Claim``; ``judge_cN(claim)`` sets the verdict, the conditions and the
-reason from those numbers alone (the rules of ``testbed.verdicts``), so every verdict a
+reason from those numbers alone (the rules of ``testbed.study.verdicts``), so every verdict a
 claim can reach is tested on given numbers (tests/experiments/test_claim_verdicts.py).
 """
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed.claims_ledger import (
+from testbed.core.units import format_bytes, parse_bytes
+from testbed.policy.page_access import zipf_exponent_for
+from testbed.study.claims_ledger import (
     PAGE,
     Ledger,
     at,
@@ -21,16 +23,14 @@ from testbed.claims_ledger import (
     names,
     side,
 )
-from testbed.page_access import zipf_exponent_for
-from testbed.run_figures import (
+from testbed.study.run_figures import (
     dead_experts,
     mean,
     mean_step_figures,
     scenario_of,
     spread,
 )
-from testbed.units import format_bytes, parse_bytes
-from testbed.verdicts import (
+from testbed.study.verdicts import (
     AGREES,
     C9_COVER,
     C9_FIRST,
@@ -256,7 +256,7 @@ def judge_c9(c: Claim) -> Claim:
         + (f" (the claim needs page reads ~ 1/(k+1)^{v['zipf_exponent_the_claim_needs']:.2f})"
            if "zipf_exponent_the_claim_needs" in v else "")
         for k, v in c.numbers.items())
-    how = ("Counted by the pager (testbed.pager.RankPager, the page table of both backends) on each run's own "
+    how = ("Counted by the pager (testbed.policy.pager.RankPager, the page table of both backends) on each run's own "
            "routing (routing.npz, measured steps, the first EP group's ranks): after each layer's access, the pins "
            "of each expert's pages times their bytes. The real ranks' own read counter (PagedExpertStore.page_reads) "
            "is not written to the run folder; tests/test_page_access.py checks it counts every page of an expert "

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import sys
 
-from testbed.decisions import joined, ranking
-from testbed.experiment import ROOT, Experiment, experiment_main
-from testbed.run_figures import token_share
-from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
+from testbed.cli.experiment import ROOT, Experiment, experiment_main
+from testbed.scenario.scenario import Scenario
+from testbed.scenario.sections import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES
+from testbed.study.decisions import joined, ranking
+from testbed.study.run_figures import token_share
 
 TOKEN, SYNC = "comm.token_strategy", "comm.expert_sync"
 DEFAULT_CONFIG = ROOT / "configs" / "quickstart.toml"

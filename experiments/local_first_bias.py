@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from testbed.experiment import Experiment, both, bytes_by_level_figure, experiment_base, experiment_main, figure
-from testbed.topology import LEVELS
+from testbed.cli.experiment import Experiment, both, bytes_by_level_figure, experiment_base, experiment_main, figure
+from testbed.scenario.topology import LEVELS
 
 BIAS = "router.local_bias"
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import sys
 
-from testbed.experiment import ROOT, Experiment, bytes_by_level_figure, experiment_main, figure
-from testbed.scenario_file import load_scenario
-from testbed.sweep import Sweep
+from testbed.cli.experiment import ROOT, Experiment, bytes_by_level_figure, experiment_main, figure
+from testbed.scenario.file import load_scenario
+from testbed.study.sweep import Sweep
 
 CONFIGS = ("paper-1440", "megatron-baseline-1440")
 QUICK_CLUSTER = {"nodes_per_microcluster": 4, "microclusters": 2}

@@ -16,9 +16,9 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.decisions import DROP_BUDGET, best_capacity_factor, groups
-from testbed.experiment import PEAK_MEMORY_COLUMN, Experiment, both, experiment_base, experiment_main, figure
-from testbed.html_page import legend_below, series_color
+from testbed.cli.experiment import PEAK_MEMORY_COLUMN, Experiment, both, experiment_base, experiment_main, figure
+from testbed.report.html_page import legend_below, series_color
+from testbed.study.decisions import DROP_BUDGET, best_capacity_factor, groups
 
 CF, AUX, SKEW = "router.capacity_factor", "router.aux_loss_coef", "workload.skew"
 

@@ -14,8 +14,8 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.experiment import PEAK_MEMORY_COLUMN, Experiment, both, experiment_base, experiment_main, figure
-from testbed.html_page import legend_below, series_color
+from testbed.cli.experiment import PEAK_MEMORY_COLUMN, Experiment, both, experiment_base, experiment_main, figure
+from testbed.report.html_page import legend_below, series_color
 
 SIZE = "comm.group_cache_size"
 

@@ -18,9 +18,9 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.decisions import best_per_group
-from testbed.experiment import PEAK_MEMORY_COLUMN, ROOT, Experiment, both, experiment_main, figure
-from testbed.html_page import category_ticks, legend_below, series_color
+from testbed.cli.experiment import PEAK_MEMORY_COLUMN, ROOT, Experiment, both, experiment_main, figure
+from testbed.report.html_page import category_ticks, legend_below, series_color
+from testbed.study.decisions import best_per_group
 
 A, B, G, INTERVAL = "heat.alpha", "heat.beta", "heat.gamma", "heat.update_interval"
 CONFIG = ROOT / "configs" / "heat-drift.toml"

@@ -16,10 +16,10 @@ import sys
 
 import plotly.graph_objects as go
 
-from testbed.decisions import best_per_group
-from testbed.experiment import PEAK_MEMORY_COLUMN, ROOT, Experiment, both, experiment_main, figure
-from testbed.html_page import legend_below, series_color
-from testbed.units import parse_bytes
+from testbed.cli.experiment import PEAK_MEMORY_COLUMN, ROOT, Experiment, both, experiment_main, figure
+from testbed.core.units import parse_bytes
+from testbed.report.html_page import legend_below, series_color
+from testbed.study.decisions import best_per_group
 
 PAGE, BUDGET = "pager.page_size_bytes", "pager.gpu_budget_bytes"
 CONFIG = ROOT / "configs" / "paging-pressure.toml"

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import sys
 
-from testbed.decisions import ranking
-from testbed.experiment import Experiment, bytes_by_level_figure, experiment_base, experiment_main
-from testbed.run_figures import token_time
+from testbed.cli.experiment import Experiment, bytes_by_level_figure, experiment_base, experiment_main
+from testbed.study.decisions import ranking
+from testbed.study.run_figures import token_time
 
 PLACE, EP = "parallelism.placement", "parallelism.ep_size"
 

@@ -23,7 +23,7 @@ measured and simulated speedup, direction and magnitude.
 
 The profile (``--profile``; default "local", emulated "emulated-local") must come from a
 separate ``testbed calibrate`` run on the same kind of device and network, and is refused
-otherwise (``testbed.sources.check_calibration``; ``--allow-uncalibrated`` judges a
+otherwise (``testbed.run.sources.check_calibration``; ``--allow-uncalibrated`` judges a
 profile not made by it, and the report says so). Its ``[calibration]`` section lists the
 scenarios whose runs were fitted: a point that shares one's model shape and token count
 is refused (``check_out_of_sample``). The report states what calibration and validation
@@ -47,17 +47,18 @@ from pathlib import Path
 
 import torch
 
-from testbed.backend import get_tool
-from testbed.errors import ScenarioError, run_as_command
-from testbed.links import capacity_by_level
-from testbed.profile import find_profile, load_profile
-from testbed.scenario import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES, Scenario
-from testbed.sources import calibrated_here, check_calibration, check_out_of_sample, shared_settings
-from testbed.stages import STAGES, TOKEN_STAGES
-from testbed.sweep import Sweep, run_sweep
-from testbed.topology import LEVELS
-from testbed.validation_emulated import write_emulated_report
-from testbed.validation_report import write_validation_report
+from testbed.core.errors import ScenarioError, run_as_command
+from testbed.core.stages import STAGES, TOKEN_STAGES
+from testbed.report.validation import write_validation_report
+from testbed.report.validation_emulated import write_emulated_report
+from testbed.run.backend import get_tool
+from testbed.run.sources import calibrated_here, check_calibration, check_out_of_sample, shared_settings
+from testbed.scenario.links import capacity_by_level
+from testbed.scenario.profile import find_profile, load_profile
+from testbed.scenario.scenario import Scenario
+from testbed.scenario.sections import EXPERT_SYNC_STRATEGIES, TOKEN_STRATEGIES
+from testbed.scenario.topology import LEVELS
+from testbed.study.sweep import Sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"median_abs_error": 0.10, "max_abs_error": 0.25, "speedup_rank_agreement": 1.0}
@@ -362,7 +363,7 @@ def main(argv=None) -> int:
 
 def provenance(grid: str, profile_name: str, points: list[tuple[dict, Scenario]], device: str, fabric: str,
                allow: bool, flag: str = "--profile", gpu: str = "") -> dict:
-    """Refuse a profile that cannot judge ``points`` (``testbed.sources``) and return the
+    """Refuse a profile that cannot judge ``points`` (``testbed.run.sources``) and return the
     report's statements on it: how it was made, that no point shares a fitted scenario's
     shape, and what calibration and validation share."""
     profile = load_profile(profile_name)

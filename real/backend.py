@@ -1,6 +1,6 @@
 """The real backend: the scenario's ranks as PyTorch processes (gloo on CPU, NCCL on GPUs).
 
-One entry point for both launches (``real.launch``): started plainly it spawns every
+One entry point for both launches (``real.launch.launcher``): started plainly it spawns every
 rank on this machine; started by ``torchrun`` (its RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT are set) this process *is* one rank, and only rank 0 writes
 the run folder (``writes_run_folder``) and gets the step records.
@@ -12,17 +12,17 @@ import os
 import statistics
 import time
 
-from real.adam import STATE_BYTES as ADAM_STATE_BYTES
-from real.checkpoint import checkpoint_dir, resumable_steps
-from real.launch import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env, usable_cores
-from real.memory_meter import CPU_PEAK_LEAVES_OUT, CUDA_PEAK_LEAVES_OUT
+from real.kernels.adam import STATE_BYTES as ADAM_STATE_BYTES
+from real.launch.launcher import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env, usable_cores
 from real.netem import check_privileges
-from real.worker import stream_of
-from testbed.backend import RunResult
-from testbed.errors import ScenarioError
-from testbed.progress import Progress
-from testbed.routing_trace import RoutingTrace
-from testbed.scenario import Scenario
+from real.rank.checkpoint import checkpoint_dir, resumable_steps
+from real.rank.memory_meter import CPU_PEAK_LEAVES_OUT, CUDA_PEAK_LEAVES_OUT
+from real.rank.worker import stream_of
+from testbed.core.errors import ScenarioError
+from testbed.core.progress import Progress
+from testbed.run.backend import RunResult
+from testbed.run.routing_trace import RoutingTrace
+from testbed.scenario.scenario import Scenario
 
 
 def check_runnable(scenario: Scenario) -> None:
@@ -37,13 +37,13 @@ def check_runnable(scenario: Scenario) -> None:
                             f"(comm.token_strategy = alltoall, not {s.comm.token_strategy}); "
                             f"--backend sim models the others")
     t = s.transformer
-    if t.enabled:  # the real whole transformer: data x expert x tensor parallelism, Adam or SGD (real.dense_model)
+    if t.enabled:  # the real whole transformer: data x expert x tensor parallelism, Adam or SGD (real.rank.dense_model)
         for name, value in (("parallelism.pp_chunks", s.parallelism.pp_chunks),
                             ("transformer.micro_batches", t.micro_batches)):
             if value > 1:
                 raise ScenarioError(name, value, "the real backend runs one micro-batch a step through its "
                                     "pipeline stages, one model chunk each; --backend sim models more")
-        if s.parallelism.pp_size > 1:  # real.stage_link: stages of their own process groups
+        if s.parallelism.pp_size > 1:  # real.comm.stage_link: stages of their own process groups
             for name, value, why in (
                     ("comm.expert_sync", s.comm.expert_sync if s.comm.expert_sync == "two_stage" else None,
                      "its cached groups are made as each stage's routing asks, but every rank must make every group"),
@@ -93,7 +93,7 @@ def check_ranks_per_core(scenario: Scenario, force: bool) -> None:
 
 class RealBackend:
     name = "real"
-    takes_run_dir = True  # testbed.runner passes the run folder (checkpoints, profiler traces) and resume
+    takes_run_dir = True  # testbed.run.runner passes the run folder (checkpoints, profiler traces) and resume
 
     def check(self, scenario: Scenario, resume=None, force: bool = False) -> None:
         """Everything that can refuse the run, before any folder is written or rank started:
@@ -163,7 +163,7 @@ class RealBackend:
                  "group_create_bytes": payload.get("group_create_bytes", 0),
                  "launcher": "spawn" if env is None else "torchrun",
                  "wall_time_s": time.perf_counter() - wall0, "exposed_s": _exposed_s(records, scenario)}
-        if records:  # the last step's, on its fullest rank, measured (real.worker)
+        if records:  # the last step's, on its fullest rank, measured (real.rank.worker)
             extra["memory_breakdown_bytes"] = records[-1].extra.get("memory_breakdown_bytes", {})
         # beside the peak wherever it is compared with the simulator's
         extra["peak_memory_note"] = CUDA_PEAK_LEAVES_OUT if device == "cuda" else CPU_PEAK_LEAVES_OUT

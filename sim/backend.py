@@ -5,7 +5,7 @@ from the synthetic workload (M4) or a recorded trace (``workload.trace``); the s
 controller takes every decision; ``PhaseBuilder`` turns them into timed work on each
 GPU's streams; an executor times the phases (``sim.network_model``: ``flow`` =
 every flow on the max-min fair network, the ranks' phases advanced in numpy between the
-network's events (``sim.flow_executor``), ``analytic`` = the vectorised bottleneck
+network's events (``sim.step.flow_executor``), ``analytic`` = the vectorised bottleneck
 schedule, ``auto`` = flow up to ``sim.flow_max_gpus`` GPUs); ``step_report`` says what
 it means.
 """
@@ -18,36 +18,35 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import simpy
 
-from testbed.backend import RunResult
-from testbed.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
-from testbed.controller import Controller
-from testbed.guards import network_mode
-from testbed.page_moves import add_reason_counts, page_move_count
-from testbed.pipeline_stages import pipelined, stage_scenario
-from testbed.profile import MachineProfile, load_profile
-from testbed.progress import Progress
-from testbed.results import StepRecord, frozen_fraction
-from testbed.routing_trace import RoutingTrace
-from testbed.scenario import Scenario
-from testbed.topology import LEVELS, Layout
-from testbed.workload import SyntheticWorkload
-
-from sim.analytic_timer import AnalyticTimer
-from sim.collective_model import CollectiveModel
-from sim.compute import ComputeModel
-from sim.cores import CorePool
-from sim.fabric import build_fabric
-from sim.faults import Faults
-from sim.memory_breakdown import memory_breakdown
-from sim.pipeline_run import PipelinedStep
-from testbed.whole_model import zero_shards
-from sim.network import Network
-from sim.phases import PhaseBuilder, StepDecisions
-from sim.probe import ModelledProbe
-from sim.flow_executor import run_flows
-from sim.schedule import WarmStart, copy_timer, run_analytic
-from sim.software_latency import compute_scale_fitted, stage_host_seconds
-from sim.step_report import figures, trace_events
+from sim.hardware.compute import ComputeModel
+from sim.hardware.cores import CorePool
+from sim.hardware.fabric import build_fabric
+from sim.hardware.software_latency import compute_scale_fitted, stage_host_seconds
+from sim.network.analytic_timer import AnalyticTimer
+from sim.network.collective_model import CollectiveModel
+from sim.network.faults import Faults
+from sim.network.network import Network
+from sim.pipeline.run import PipelinedStep
+from sim.step.flow_executor import run_flows
+from sim.step.memory_breakdown import memory_breakdown
+from sim.step.phases import PhaseBuilder, StepDecisions
+from sim.step.probe import ModelledProbe
+from sim.step.schedule import WarmStart, copy_timer, run_analytic
+from sim.step.step_report import figures, trace_events
+from testbed.core.progress import Progress
+from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
+from testbed.policy.controller import Controller
+from testbed.policy.page_moves import add_reason_counts, page_move_count
+from testbed.policy.pipeline_stages import pipelined, stage_scenario
+from testbed.policy.whole_model import zero_shards
+from testbed.policy.workload import SyntheticWorkload
+from testbed.run.backend import RunResult
+from testbed.run.guards import network_mode
+from testbed.run.results import StepRecord, frozen_fraction
+from testbed.run.routing_trace import RoutingTrace
+from testbed.scenario.profile import MachineProfile, load_profile
+from testbed.scenario.scenario import Scenario
+from testbed.scenario.topology import LEVELS, Layout
 
 TRACE_RANKS = 16  # GPUs shown in the Chrome trace
 
@@ -147,7 +146,7 @@ class ClusterSim:
     def optimizer_state_bytes(self) -> float:
         """Bytes of Adam's state a GPU holds (``transformer.optimizer = adam``):
         ``transformer.optimizer_state_bytes`` per parameter of everything it holds (dense
-        weights, routers, its experts), its ZeRO shard (``testbed.whole_model.zero_shards``);
+        weights, routers, its experts), its ZeRO shard (``testbed.policy.whole_model.zero_shards``);
         0 for plain SGD."""
         t, dense = self.s.transformer, self.builder.dense
         if not t.enabled or t.optimizer != "adam":
@@ -212,7 +211,7 @@ class SimBackend:
         wall0 = time.perf_counter()
         whole = scenario
         profile = load_profile(whole.cluster.profile)
-        # pipeline parallelism or micro-batches (sim.pipeline_run): one stage, one micro-batch, simulated
+        # pipeline parallelism or micro-batches (sim.pipeline.run): one stage, one micro-batch, simulated
         s = stage_scenario(whole) if pipelined(whole) else whole
         routed_at = routing_source(s)
         # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
@@ -265,7 +264,7 @@ class SimBackend:
             "host_bytes_by_stage": {st: float(np.mean([r.extra["host_bytes_by_stage"][st] for r in measured]))
                                     for st in measured[0].extra["host_bytes_by_stage"]},
             "device_memory_bytes": profile.compute.device_memory_GB * 1e9,
-            # the last step's, on its fullest GPU (sim.memory_breakdown)
+            # the last step's, on its fullest GPU (sim.step.memory_breakdown)
             "memory_breakdown_bytes": breakdown if s.run.steps else {},
             "peak_memory_at": peak_at if s.run.steps else None,
             "fits_in_device_memory": max(r.peak_memory_bytes for r in records) <= profile.compute.device_memory_GB * 1e9,
@@ -276,7 +275,7 @@ class SimBackend:
         }
         if pipe is not None:  # one stage's micro-batches: not a trace of the whole scenario's steps
             extra["pipeline"] = records[-1].extra["pipeline"] if records else {}
-            extra.update(utilization_by_level={}, hottest_links=[])  # the stage's one micro-batch (sim.pipeline_run)
+            extra.update(utilization_by_level={}, hottest_links=[])  # the stage's one micro-batch (sim.pipeline.run)
             return RunResult(whole, records, trace, None, extra)
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
         return RunResult(s, records, trace, routing_trace, extra)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.scenario import Scenario
+from testbed.scenario.scenario import Scenario
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,8 @@ and a real run's weights stay bit-identical to an unpaged copy whatever the page
 
 import pytest
 
-from testbed.runner import run_scenario
-from testbed.scenario import Scenario
+from testbed.run.runner import run_scenario
+from testbed.scenario.scenario import Scenario
 
 
 def scenario(tmp_path, token, sync, payload="model"):

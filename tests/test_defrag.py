@@ -6,11 +6,11 @@ real ranks; both backends make the same moves."""
 import numpy as np
 import pytest
 
-from testbed.page_moves import DEFRAG, GPU
-from testbed.pager import RankPager
-from testbed.runner import run_scenario
-from testbed.scenario import PagerConfig
-from testbed.scenario_file import load_scenario
+from testbed.policy.page_moves import DEFRAG, GPU
+from testbed.policy.pager import RankPager
+from testbed.run.runner import run_scenario
+from testbed.scenario.file import load_scenario
+from testbed.scenario.sections import PagerConfig
 
 
 def scattered_pager():
@@ -76,7 +76,7 @@ def test_after_compaction_an_expert_is_read_in_place():
     view of the pool (no copy); scattered pages are copied."""
     import torch
 
-    from real.paged_store import PagedExpertStore
+    from real.paging.paged_store import PagedExpertStore
 
     p = scattered_pager()
     store = PagedExpertStore(p, 10, torch.float32, torch.device("cpu"),

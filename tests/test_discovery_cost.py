@@ -3,8 +3,8 @@ masks is timed (``discovery_s``), where it runs and only there."""
 
 import pytest
 
-from testbed.runner import run_scenario
-from testbed.scenario import Scenario
+from testbed.run.runner import run_scenario
+from testbed.scenario.scenario import Scenario
 
 
 def scenario(tmp_path, ep=2):

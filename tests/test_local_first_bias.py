@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from real.backend import RealBackend
-from real.reference import reference_step
-from testbed.runner import run_scenario
-from testbed.scenario import Scenario
-from testbed.topology import Layout
-from testbed.workload import SyntheticWorkload
+from real.rank.reference import reference_step
+from testbed.policy.workload import SyntheticWorkload
+from testbed.run.runner import run_scenario
+from testbed.scenario.scenario import Scenario
+from testbed.scenario.topology import Layout
 
 
 def scenario(tmp_path, bias, scope="node", steps=3, warmup=1):

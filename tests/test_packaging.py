@@ -2,9 +2,8 @@
 
 import ast
 import re
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: standard-library modules the project may import, with the first Python that has them

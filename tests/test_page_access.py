@@ -1,12 +1,12 @@
-"""C9's page-access model (testbed.page_access): a dense FFN expert reads every page in
+"""C9's page-access model (testbed.policy.page_access): a dense FFN expert reads every page in
 every forward, which real ranks' page-read counts show; and how skewed page accesses
 would have to be for the first 3 pages to cover 87% of them."""
 
 import pytest
 
 from real.backend import RealBackend
-from testbed.page_access import dense_shares, first_pages_cover, zipf_exponent_for, zipf_shares
-from testbed.scenario import Scenario
+from testbed.policy.page_access import dense_shares, first_pages_cover, zipf_exponent_for, zipf_shares
+from testbed.scenario.scenario import Scenario
 
 
 def test_a_dense_expert_spreads_its_accesses_over_its_pages_by_size():

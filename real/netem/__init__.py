@@ -1,6 +1,6 @@
 """Emulated cluster network: each rank in its own Linux network namespace, joined like the simulator's fabric.
 
-The links of ``testbed.links`` (NVLink to a node's switch, NIC to a micro-cluster's
+The links of ``testbed.scenario.links`` (NVLink to a node's switch, NIC to a micro-cluster's
 leaf, leaf to spine) become veth pairs between namespaces, bridges stand for switches,
 and ``htb`` shapes every direction to its block's rate, so the real backend's gloo
 traffic crosses the same links at the same rates as the simulator's flows. Needs root

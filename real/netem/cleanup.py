@@ -16,12 +16,11 @@ import os
 import signal
 from collections.abc import Iterable
 
-from testbed.errors import RunError
-
 from real.netem import registry
 from real.netem.commands import ip_batch, run_all
 from real.netem.nsenter import NETNS_DIR, existing_namespaces
 from real.netem.plan import NAMESPACE_RE, Plan
+from testbed.core.errors import RunError
 
 
 def leftovers() -> list[dict]:

@@ -14,7 +14,7 @@ import re
 import subprocess
 from typing import NamedTuple, Sequence
 
-from testbed.errors import RunError
+from testbed.core.errors import RunError
 
 #: no ip/tc call of a cluster of a few dozen namespaces should take near this long
 TIMEOUT_S = 30.0

@@ -29,12 +29,11 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from testbed.errors import RunError
-
 from real.netem import registry
 from real.netem.commands import in_namespace, ip_batch, qdisc_stats, run_all, tc_batch
 from real.netem.nsenter import NETNS_DIR, check_privileges, existing_namespaces
 from real.netem.plan import Egress, Plan, build_plan
+from testbed.core.errors import RunError
 
 
 class EmulatedFabric:

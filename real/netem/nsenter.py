@@ -14,9 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from testbed.errors import ScenarioError
-
 from real.netem.plan import NAMESPACE_PREFIX
+from testbed.core.errors import ScenarioError
 
 NETNS_DIR = Path("/var/run/netns")
 CLONE_NEWNET = 0x40000000

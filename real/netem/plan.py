@@ -4,7 +4,7 @@ Pure: nothing here runs a command. Every rank gets a network namespace; switches
 namespaces holding one Linux bridge (``tb<id>br``): a node's NVLink switch
 (``testbed-<id>-node<n>``, only with more than one GPU per node), a micro-cluster's leaf
 (``testbed-<id>-leaf<m>``) and the spine (``testbed-<id>-spine``, only with more than one
-micro-cluster). The links of ``testbed.links`` are veth pairs between them; each end's
+micro-cluster). The links of ``testbed.scenario.links`` are veth pairs between them; each end's
 egress is one direction, shaped to its block's rate:
 
 - NVLink of rank r: ``tb<id>v<r>`` in the rank (nvlink_up r) <-> ``tb<id>V<r>`` in its
@@ -31,11 +31,19 @@ import secrets
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from testbed.errors import ScenarioError
-from testbed.links import fabric_blocks, flows_through, wired_blocks
-
-from real.netem.settings import (FIRST_FLOW_CLASS, HTB_QUANTUM, SMALL_CLASS, SMALL_MASK, SMALL_QUEUE, SMALL_SHARE,
-                                 SYSCTLS, burst_bytes, default_queue_bytes)
+from real.netem.settings import (
+    FIRST_FLOW_CLASS,
+    HTB_QUANTUM,
+    SMALL_CLASS,
+    SMALL_MASK,
+    SMALL_QUEUE,
+    SMALL_SHARE,
+    SYSCTLS,
+    burst_bytes,
+    default_queue_bytes,
+)
+from testbed.core.errors import ScenarioError
+from testbed.scenario.links import fabric_blocks, flows_through, wired_blocks
 
 #: every address comes from here (RFC 2544: reserved for benchmarking, never routed)
 ADDRESS_RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -68,7 +76,7 @@ def rank_address(rank: int) -> str:
 class Egress(NamedTuple):
     """One shaped direction of a link: the egress of one veth end."""
 
-    block: str  # testbed.links block name
+    block: str  # testbed.scenario.links block name
     index: int  # rank or micro-cluster
     namespace: str
     interface: str

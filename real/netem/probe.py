@@ -14,11 +14,11 @@ nothing else running:
   another node: the wire bytes a message costs on each link it crosses, whatever its
   size (the library's rendezvous notices, headers, acknowledgements): ``message_bytes``.
 - *collectives*: the real backend's all-to-all (uniform; on CPU sends and receives to
-  every member at once, ``real.comm.all_to_all_p2p``), gloo's all_gather, reduce_scatter
+  every member at once, ``real.comm.collectives.all_to_all_p2p``), gloo's all_gather, reduce_scatter
   and all_reduce, and for reference gloo's own all_to_all (``gloo_alltoallv``), on every
   rank at once, one call each after a gate, at ``COLLECTIVE_BYTES`` per member: seconds
   (slowest rank) and the wire bytes each level carried. Which algorithm that is, is
-  decided by comparing with the simulator's candidates (``testbed.net_probe``).
+  decided by comparing with the simulator's candidates (``testbed.cli.net_probe``).
 
 Ping-pong and bulk use plain sockets made in the namespaces by short-lived threads (a
 thread's ``setns`` leaves the rest of this process where it is).
@@ -40,12 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from testbed.errors import RunError
-from testbed.links import counted_bytes_by_level, fabric_blocks, route
-
-from real.comm import all_to_all_p2p
+from real.comm.collectives import all_to_all_p2p
 from real.netem.fabric import EmulatedFabric
 from real.netem.nsenter import enter_namespace, join_rank_network
+from testbed.core.errors import RunError
+from testbed.scenario.links import counted_bytes_by_level, fabric_blocks, route
 
 PING_ROUNDS = 400
 BULK_BYTES = 4 * 2**20

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from testbed import verdicts as V
-from testbed.claims_ledger import page_budget_from
-from testbed.claims_report import claim_section
-from testbed.experiment import load_experiment
+from testbed.report.claims import claim_section
+from testbed.study import verdicts as V
+from testbed.study.claims_ledger import page_budget_from
+from testbed.study.experiments import load_experiment
 
 MiB, KiB = 2**20, 2**10
 CLAIMS = load_experiment("claims")
@@ -289,7 +289,7 @@ def test_page_budget_is_the_device_memory_left_in_whole_pages():
 
 
 def test_report_formats_the_new_figures():
-    from testbed.claims_report import format_value
+    from testbed.report.claims import format_value
 
     assert format_value("gain_noise", 0.012) == "1.20%"
     assert format_value("step_gain_with_fp8_payload", 0.213) == "21.30%"

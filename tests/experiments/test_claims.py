@@ -1,4 +1,4 @@
-"""The claims ledger: the verdict rules (testbed.verdicts) on given numbers, and one simulated
+"""The claims ledger: the verdict rules (testbed.study.verdicts) on given numbers, and one simulated
 --quick ledger (experiments/claims.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed import run_figures as F
-from testbed import verdicts as V
-from testbed.experiment import load_experiment
+from testbed.study import run_figures as F
+from testbed.study import verdicts as V
+from testbed.study.experiments import load_experiment
 
 IDS = [f"C{i}" for i in range(1, 17)]
 MiB = 2**20
@@ -97,7 +97,7 @@ def test_longest_zero_run():
 
 
 def test_report_formats_by_figure_name():
-    from testbed.claims_report import format_value
+    from testbed.report.claims import format_value
 
     assert format_value("peak_memory_bytes", 3 * MiB) == "3.00 MiB (3.15e+06 B)"
     assert format_value("two_stage_over_allreduce", 0.427) == "42.70%"

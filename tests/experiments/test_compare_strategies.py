@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from testbed.experiment import load_experiment
-from testbed.scenario import Scenario
-
+from testbed.scenario.scenario import Scenario
+from testbed.study.experiments import load_experiment
 
 
 def load_script():

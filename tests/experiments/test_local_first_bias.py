@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 
-from testbed.experiment import load_experiment
-
+from testbed.study.experiments import load_experiment
 
 
 def test_quick_sweep_on_the_simulator(tmp_path, capsys):

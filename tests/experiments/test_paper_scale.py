@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from testbed.experiment import ROOT, load_experiment
-from testbed.runs import load_run
-from testbed.scenario import Scenario
-from testbed.scenario_file import load_scenario
+from testbed.run.store import load_run
+from testbed.scenario.file import load_scenario
+from testbed.scenario.scenario import Scenario
+from testbed.study.experiments import ROOT, load_experiment
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 
 import pytest
 
-from testbed.experiment import load_experiment
-from testbed.profile import load_profile
-from testbed.validation_report import write_validation_report
+from testbed.report.validation import write_validation_report
+from testbed.scenario.profile import load_profile
+from testbed.study.experiments import load_experiment
 
 
 def point(token, sync, measured, simulated, world=4):
@@ -58,7 +58,7 @@ def test_a_missing_profile_is_one_line(tmp_path, repo_root, capsys, monkeypatch)
 
 @pytest.mark.slow
 def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path):
-    from real.calibrate import calibrate
+    from real.calibrate.tool import calibrate
 
     path = calibrate("mini", ranks=2, out_dir=tmp_path, quick=True, log=lambda line: None)
     p = load_profile(path)
@@ -122,7 +122,7 @@ def test_emulated_pairs_are_one_knob_apart_and_scored_beyond_the_spread(repo_roo
 
 
 def test_emulated_report_names_goals_runs_and_shapes(tmp_path, repo_root):
-    from testbed.validation_emulated import write_emulated_report
+    from testbed.report.validation_emulated import write_emulated_report
 
     v = load_experiment("validate_sim_vs_real")
     points = [emulated_point(1.0, 1.3), emulated_point(1.5, 1.4, placement="strided")]
@@ -142,15 +142,15 @@ def calibrated_profile(tmp_path, name="cal", device="cpu", fabric="loopback", gp
     """local-cpu marked as made by testbed calibrate on ``device`` over ``fabric``."""
     from dataclasses import replace
 
-    from testbed.profile import CALIBRATE_TOOL, Calibration, save_profile
+    from testbed.scenario.profile import CALIBRATE_TOOL, Calibration, save_profile
 
     cal = Calibration(tool=CALIBRATE_TOOL, device=device, fabric=fabric, gpu=gpu, scenarios=tuple(scenarios))
     return str(save_profile(replace(load_profile("local-cpu"), name=name, calibration=cal), tmp_path / f"{name}.toml"))
 
 
 def calibration_rows(worlds=(2, 4)):
-    from real.calibrate import calibration_scenarios, scenario_name
-    from testbed.sources import scenario_record
+    from real.calibrate.tool import calibration_scenarios, scenario_name
+    from testbed.run.sources import scenario_record
 
     return [scenario_record(scenario_name(s), s) for w in worlds for s in calibration_scenarios(w, "runs")]
 
@@ -203,7 +203,7 @@ def test_the_gpu_grid_refuses_a_profile_not_calibrated_on_a_gpu(tmp_path, capsys
 
 
 def test_a_loopback_profile_cannot_judge_the_emulated_grid(tmp_path, no_runs):
-    from testbed.errors import ScenarioError
+    from testbed.core.errors import ScenarioError
 
     v = no_runs
     loopback = calibrated_profile(tmp_path)
@@ -215,7 +215,7 @@ def test_a_loopback_profile_cannot_judge_the_emulated_grid(tmp_path, no_runs):
 def test_a_point_sharing_a_calibration_shape_and_token_count_is_refused(tmp_path, capsys, no_runs):
     v = no_runs
     grid = v.cpu_grid(True, str(tmp_path), "local-cpu")
-    from testbed.sources import scenario_record
+    from testbed.run.sources import scenario_record
 
     own = grid[0][1].replace(comm={"token_strategy": "allgather"})
     same = scenario_record("fitted on the validation's own shape", own)
@@ -255,7 +255,7 @@ def test_the_report_states_what_calibration_and_validation_share(tmp_path, no_ru
 
 
 def test_the_why_of_a_missed_point_is_computed_from_its_stage_errors():
-    from testbed.validation_report import miss_reason
+    from testbed.report.validation import miss_reason
 
     a = point("alltoall", "allreduce", 0.100, 0.130)
     a["stages"] = {"dispatch": {"measured_s": 0.010, "simulated_s": 0.034, "error_s": 0.024},
@@ -273,7 +273,7 @@ def test_the_why_of_a_missed_point_is_computed_from_its_stage_errors():
 
 
 def test_the_report_opens_with_what_its_points_show(tmp_path, repo_root):
-    from testbed.validation_report import validation_findings
+    from testbed.report.validation import validation_findings
     v = load_experiment("validate_sim_vs_real")
     points = [point("alltoall", "allreduce", 0.100, 0.130), point("allgather", "allreduce", 0.120, 0.118),
               point("hierarchical", "allreduce", 0.200, 0.190)]

@@ -29,12 +29,13 @@ except ImportError:  # run directly by benchmarks/gpu_check.sh
     pytest = None
 
 from real.backend import RealBackend
-from real.comm import PayloadCodec
-from real.experts import FlatWeights, PagedExpertFFN, grouped_supported
-from real.paged_store import PagedExpertStore
-from testbed.heat import COLD, WARM
-from testbed.pager import RankPager
-from testbed.scenario import PagerConfig, Scenario
+from real.comm.collectives import PayloadCodec
+from real.kernels.experts import FlatWeights, PagedExpertFFN, grouped_supported
+from real.paging.paged_store import PagedExpertStore
+from testbed.policy.heat import COLD, WARM
+from testbed.policy.pager import RankPager
+from testbed.scenario.scenario import Scenario
+from testbed.scenario.sections import PagerConfig
 
 CUDA = torch.cuda.is_available()
 if pytest is not None:
@@ -138,7 +139,7 @@ def test_fp8_codec_on_cuda():
 
 
 def test_one_gpu_rank_trains_with_paging_and_profiles():
-    # RealBackend directly, not testbed.runner (which needs tomli_w to write a run folder)
+    # RealBackend directly, not testbed.run.runner (which needs tomli_w to write a run folder)
     with tempfile.TemporaryDirectory() as tmp:
         s = Scenario.from_dict({
             "model": {"hidden_size": 256, "ffn_hidden_size": 512, "num_experts": 8, "num_layers": 2, "dtype": "bf16"},
@@ -168,7 +169,7 @@ def test_nccl_ranks_match_the_reference_with_overlap():
     gpus = min(count, 4) // 2 * 2
     if gpus < 2:
         skip(f"needs 2 or more GPUs, this machine has {count}")
-    from real.reference import reference_step
+    from real.rank.reference import reference_step
 
     with tempfile.TemporaryDirectory() as tmp:
         s = Scenario.from_dict({

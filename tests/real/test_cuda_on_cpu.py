@@ -10,7 +10,7 @@ import torch
 
 import real.backend as backend_mod
 from real.backend import RealBackend
-from testbed.scenario import Scenario
+from testbed.scenario.scenario import Scenario
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from real.layer import LayerRunner
-from real.rank_state import RankState
-from testbed.scenario import Scenario
+from real.rank.layer import LayerRunner
+from real.rank.rank_state import RankState
+from testbed.scenario.scenario import Scenario
 
 
 @pytest.fixture

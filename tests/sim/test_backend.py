@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from sim.backend import SimBackend
-from testbed.runner import run_scenario
-from testbed.scenario import Scenario
-from testbed.stages import STAGES
-from testbed.workload import SyntheticWorkload
+from testbed.core.stages import STAGES
+from testbed.policy.workload import SyntheticWorkload
+from testbed.run.runner import run_scenario
+from testbed.scenario.scenario import Scenario
 
 
 def quick(tmp_path, **sections):
@@ -71,7 +71,7 @@ def test_every_token_strategy_runs_and_moves_tokens(tmp_path, token):
 
 def test_a_slower_spine_slows_the_step(tmp_path, monkeypatch):
     base = run_scenario(quick(tmp_path), "sim")["step_time_s"]
-    from sim import fabric
+    from sim.hardware import fabric
 
     real_build = fabric.build_fabric
 

@@ -1,0 +1,52 @@
+"""What one GPU's memory holds over a simulated step, by category (issue 13).
+
+Each category is the most it holds at once during the step, from the same figures the
+phases' memory annotations use, for the GPU whose simulated memory peaked highest:
+
+- ``expert_pages``: the expert weights resident at the step's start (the pager's slots,
+  or every local expert unpaged);
+- ``parameters``: the other weights (routers; with the whole transformer attention,
+  dense FFNs and embeddings);
+- ``gradients``: every gradient the backward makes (the experts that computed, routers,
+  the dense blocks'), held until the optimizer step;
+- ``optimizer_state``: Adam's fp32 master weights and moments of everything the GPU holds
+  (``transformer.optimizer = adam``), its ZeRO shard (``transformer.zero_stage``), none
+  for plain SGD;
+- ``activations``: what every layer's forward keeps for its backward (MoE layers: the
+  input and each expert row's input, pre-activation and output; with the whole
+  transformer also the dense blocks' and the logits);
+- ``comm_buffers``: the largest send and receive buffers of one batch of concurrent
+  collectives (a phase's), of every stage, tensor-parallel ones included;
+- ``communicators``: the communicators it holds (M10), ``collectives.communicator_MiB``
+  each.
+
+The categories are not all at their most at one moment (activations peak at the end of
+the forward, gradients at the end of the backward), so their sum bounds the timeline's
+peak (``peak_memory_bytes``, reached where ``peak_memory_at`` says) from above.
+"""
+
+from __future__ import annotations
+
+from sim.step.phases import StepDecisions
+from testbed.policy.whole_model import block_grad_bytes, zero_shards
+
+
+def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, float]:
+    """Bytes per category of GPU ``rank`` over the step ``d`` and its ``phases`` (module doc), the held
+    ones (expert pages, communicators) as they stand after the step."""
+    s, m, t = sim.s, sim.s.model, sim.s.transformer
+    builder, dense = sim.builder, sim.builder.dense
+    rows = [builder.expert_rows(f) for f in d.forward]
+    router_bytes = builder.router_grad_bytes * m.num_layers
+    params = router_bytes + (dense.param_bytes if t.enabled else 0.0)
+    _, _, dense_shard, expert_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
+    activations = sum(float(builder.activation_bytes(r)[rank]) for r in rows)
+    gradients = sum(int((r[rank] > 0).sum()) for r in rows) * m.expert_bytes / expert_shard + router_bytes
+    if t.enabled:
+        activations += m.num_layers * dense.block_activation_bytes + dense.head_activation_bytes
+        gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers)) / dense_shard
+    # the largest buffers of one collective phase: what the phases hold while their ops run
+    buffers = max((float(ph.mem_transient[rank]) for ph in phases if ph.mem_transient is not None), default=0.0)
+    return {"expert_pages": float(sim.expert_weight_bytes()[rank]), "parameters": params, "gradients": float(gradients),
+            "optimizer_state": sim.optimizer_state_bytes(), "activations": activations,
+            "comm_buffers": buffers, "communicators": float(sim.communicator_bytes()[rank])}

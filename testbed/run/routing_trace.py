@@ -1,0 +1,97 @@
+"""The routing trace: token slots routed per step x layer x rank x expert.
+
+Both backends write it into their run folder (``routing.npz``); the simulator replays a
+trace given as ``workload.trace = RUN_DIR``, so a real run's routing can be timed by the
+simulator. Counts are *routed* (before capacity); each backend applies the scenario's
+capacity (M2) to them, so a replay may also change the capacity factor.
+
+The file is compact: counts are stored in the smallest unsigned integer type that holds
+the largest (uint8 for paper-1440, whose ~17.7 M counts are all below 256) and deflated
+at the fastest level, since dense counts compress little more at higher levels but take
+several times longer (paper-1440's 3 steps: 14 MB, written in well under a second,
+where int32 at numpy's default level took 20 MB and about 5 s). Any integer dtype reads
+back (traces written before this as int32 too); ``load`` returns int32 counts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from testbed.core.errors import ScenarioError
+from testbed.core.files import write_atomic
+from testbed.scenario.scenario import Scenario
+
+FILE = "routing.npz"
+COMPRESS_LEVEL = 1  # zlib's fastest: dense counts gain little from higher levels
+
+
+def compact_counts(routed: np.ndarray) -> np.ndarray:
+    """``routed`` in the smallest unsigned integer dtype that holds its largest value."""
+    routed = np.asarray(routed)
+    if routed.size and routed.min() < 0:
+        raise ValueError("routed counts must be non-negative")
+    top = int(routed.max()) if routed.size else 0
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dtype).max:
+            return routed.astype(dtype, copy=False)
+    return routed.astype(np.uint64, copy=False)
+
+
+@dataclass
+class RoutingTrace:
+    """routed[s, l, w, e]: slots rank w routed to expert e in layer l at step s (int32)."""
+
+    routed: np.ndarray
+    tokens_per_rank: int
+    top_k: int
+
+    @property
+    def steps(self) -> int:
+        return self.routed.shape[0]
+
+    def save(self, run_dir: str | Path) -> Path:
+        path = Path(run_dir) / FILE
+        meta = {"tokens_per_rank": self.tokens_per_rank, "top_k": self.top_k,
+                "shape": ["steps", "layers", "ranks", "experts"]}
+        buf = io.BytesIO()  # an .npz as np.savez_compressed writes it, at our compression level
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=COMPRESS_LEVEL) as z:
+            for name, value in (("routed", compact_counts(self.routed)), ("meta", np.array(json.dumps(meta)))):
+                with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, value, allow_pickle=False)
+        return write_atomic(path, buf.getvalue())
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "RoutingTrace":
+        """Read ``RUN_DIR/routing.npz``; a missing or unreadable file is a ScenarioError."""
+        path = Path(run_dir) / FILE
+        if not path.is_file():
+            raise ScenarioError("workload.trace", str(run_dir), f"no routing trace {FILE} in that folder")
+        try:
+            with np.load(path) as data:
+                meta = json.loads(str(data["meta"]))
+                routed = data["routed"].astype(np.int32, copy=False)
+        except (OSError, ValueError, KeyError) as e:
+            raise ScenarioError("workload.trace", str(run_dir), f"unreadable routing trace: {e}") from None
+        return cls(routed=routed, tokens_per_rank=meta["tokens_per_rank"], top_k=meta["top_k"])
+
+    def check_fits(self, scenario: Scenario, where: str) -> None:
+        """Raise ScenarioError unless the trace covers the scenario's steps, layers, ranks, experts."""
+        s, l, w, e = self.routed.shape
+        m = scenario.model
+        want = {"run.steps": (scenario.run.steps, s, "steps"),
+                "model.num_layers": (m.num_layers, l, "layers"),
+                "cluster (GPUs)": (scenario.world_size, w, "ranks"),
+                "model.num_experts": (m.num_experts, e, "experts"),
+                "workload.tokens_per_rank": (scenario.workload.tokens_per_rank, self.tokens_per_rank, "tokens per rank"),
+                "model.top_k": (m.top_k, self.top_k, "top-k")}
+        for fld, (asked, has, what) in want.items():
+            too_few = asked > has if fld == "run.steps" else asked != has
+            if too_few:
+                raise ScenarioError("workload.trace", where,
+                                    f"the trace has {has} {what} but {fld} = {asked}")

@@ -1,0 +1,220 @@
+"""The scenario: everything one run needs, as one TOML file with a default for every field.
+
+A scenario is its sections (``testbed.scenario.sections``: model, cluster, parallelism,
+router, pager, heat, comm, overlap, workload, run, checkpoint, sim, real, transformer),
+its faults and its notes. Validation of a single field sits next to the field; the checks
+across fields are ``Scenario.validate``. Every error is a ``ScenarioError`` naming the
+dotted field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.core.errors import ScenarioError
+from testbed.scenario.fields import build_section, unknown
+from testbed.scenario.sections import (
+    SECTIONS,
+    CheckpointConfig,
+    ClusterConfig,
+    CommConfig,
+    FaultConfig,
+    HeatConfig,
+    ModelConfig,
+    OverlapConfig,
+    PagerConfig,
+    ParallelismConfig,
+    RealConfig,
+    RouterConfig,
+    RunConfig,
+    SimConfig,
+    TransformerConfig,
+    WorkloadConfig,
+)
+from testbed.scenario.topology import Layout
+
+
+@dataclass
+class Scenario:
+    """A whole run description. Build with ``Scenario.from_dict`` / ``load_scenario``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    pager: PagerConfig = field(default_factory=PagerConfig)
+    heat: HeatConfig = field(default_factory=HeatConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    real: RealConfig = field(default_factory=RealConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    transformer: TransformerConfig = field(default_factory=TransformerConfig)
+    faults: list[FaultConfig] = field(default_factory=list)
+    notes: str = ""
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.cluster.gpus
+
+    @property
+    def replicas(self) -> int:
+        """EP groups = replicas of every expert."""
+        return self.cluster.gpus // self.parallelism.ep_size
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.model.num_experts // self.parallelism.ep_size
+
+    # ---- building --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "Scenario":
+        """Build and validate a scenario from a parsed TOML mapping."""
+        if not isinstance(data, dict):
+            raise ScenarioError("scenario", data, "expected a table of sections")
+        sections = {}
+        for name, value in data.items():
+            if name == "notes":
+                if not isinstance(value, str):
+                    raise ScenarioError("notes", value, "expected a string")
+                continue
+            if name == "faults":
+                if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                    raise ScenarioError("faults", value, "expected [[faults]] tables")
+                sections["faults"] = [build_section(f"faults[{i}]", FaultConfig, v) for i, v in enumerate(value)]
+                continue
+            if name not in SECTIONS:
+                raise ScenarioError(name, value, unknown(name, list(SECTIONS) + ["faults", "notes"], "section"))
+            if not isinstance(value, dict):
+                raise ScenarioError(name, value, "expected a table [" + name + "]")
+            sections[name] = build_section(name, SECTIONS[name], value)
+        scenario = cls(**sections, notes=data.get("notes", ""))
+        scenario.validate()
+        return scenario
+
+    def to_dict(self) -> dict:
+        """Plain mapping of every field (the resolved scenario written into a run)."""
+        out = dataclasses.asdict(self)
+        for optional in ("notes", "faults"):
+            if not out[optional]:
+                del out[optional]
+        return out
+
+    def replace(self, **changes: dict) -> "Scenario":
+        """A copy with some fields changed: ``s.replace(comm={"token_strategy": "allgather"})``."""
+        data = self.to_dict()
+        for section, fields in changes.items():
+            data.setdefault(section, {}).update(fields)
+        return Scenario.from_dict(data)
+
+    # ---- checks across fields --------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ScenarioError`` for the first field whose value cannot be run."""
+        m, c, p = self.model, self.cluster, self.parallelism
+        if m.top_k > m.num_experts:
+            raise ScenarioError("model.top_k", m.top_k, f"exceeds model.num_experts = {m.num_experts}")
+        if c.gpus % p.ep_size:
+            raise ScenarioError("parallelism.ep_size", p.ep_size, f"does not divide the {c.gpus} GPUs of the cluster")
+        if m.num_experts % p.ep_size:
+            raise ScenarioError("parallelism.ep_size", p.ep_size, f"does not divide model.num_experts = {m.num_experts}")
+        if self.run.warmup_steps >= self.run.steps:
+            raise ScenarioError("run.warmup_steps", self.run.warmup_steps, f"leaves no measured step of run.steps = {self.run.steps}")
+        h = self.heat
+        if h.alpha + h.beta + h.gamma <= 0:
+            raise ScenarioError("heat.alpha", h.alpha, "heat weights alpha, beta, gamma are all zero")
+        if h.cold_percentile >= h.hot_percentile:
+            raise ScenarioError("heat.cold_percentile", h.cold_percentile, f"must be below heat.hot_percentile = {h.hot_percentile}")
+        if self.pager.page_size_bytes % m.dtype_bytes:
+            raise ScenarioError("pager.page_size_bytes", self.pager.page_size_bytes, f"is not a whole number of {m.dtype} elements")
+        if 0 < self.pager.gpu_budget_bytes < self.pager.page_size_bytes:
+            raise ScenarioError("pager.gpu_budget_bytes", self.pager.gpu_budget_bytes, "holds less than one page")
+        if self.comm.token_strategy == "hierarchical":
+            Layout(self).check_hierarchical()
+        if self.real.network == "emulated" and self.real.device == "cuda":
+            raise ScenarioError("real.network", "emulated", "an emulated cluster carries CPU ranks (gloo); "
+                                "set real.device = cpu or auto")
+        for i, f in enumerate(self.faults):
+            _check_fault(f"faults[{i}]", f, self.world_size)
+        t = self.transformer
+        if p.tp_size > 1 and not t.enabled:
+            raise ScenarioError("parallelism.tp_size", p.tp_size, "tensor parallelism splits the whole transformer's "
+                                "dense layers: set transformer.enabled = true")
+        if c.gpus_per_node % p.tp_size:
+            raise ScenarioError("parallelism.tp_size", p.tp_size, f"does not divide cluster.gpus_per_node = {c.gpus_per_node}")
+        if t.enabled and p.tp_size > 1:
+            for name, value in (("transformer.num_heads", t.num_heads), ("transformer.num_kv_heads", t.kv_heads),
+                                ("transformer.vocab_size", t.vocab_size),
+                                ("transformer.dense_ffn_hidden_size", t.dense_ffn_hidden_size or 4 * m.hidden_size)):
+                if value % p.tp_size:
+                    raise ScenarioError(name, value, f"is not a multiple of parallelism.tp_size = {p.tp_size}")
+        _check_pipeline(self)
+        if t.enabled:
+            if m.hidden_size % t.num_heads:
+                raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")
+            if t.num_heads % t.kv_heads:
+                raise ScenarioError("transformer.num_kv_heads", t.num_kv_heads, f"does not divide transformer.num_heads = {t.num_heads}")
+            if self.workload.tokens_per_rank % t.seq_len:
+                raise ScenarioError("transformer.seq_len", t.seq_len,
+                                    f"does not divide workload.tokens_per_rank = {self.workload.tokens_per_rank}")
+
+
+def _check_pipeline(s: "Scenario") -> None:
+    """Pipeline parallelism and micro-batches (simulated: ``sim.pipeline.run``)."""
+    p, t, c, m = s.parallelism, s.transformer, s.cluster, s.model
+    pipelined = p.pp_size > 1 or p.pp_chunks > 1 or t.micro_batches > 1
+    if pipelined and not t.enabled:
+        name, value = next((n, v) for n, v in (("parallelism.pp_size", p.pp_size), ("parallelism.pp_chunks", p.pp_chunks),
+                                               ("transformer.micro_batches", t.micro_batches)) if v > 1)
+        raise ScenarioError(name, value, "pipelines and micro-batches are the whole transformer's: "
+                            "set transformer.enabled = true")
+    if not pipelined:
+        return
+    if c.microclusters % p.pp_size and not (c.microclusters == 1 and c.nodes_per_microcluster % p.pp_size == 0):
+        raise ScenarioError("parallelism.pp_size", p.pp_size, "stages are whole micro-clusters (or whole nodes of "
+                            f"one): it must divide cluster.microclusters = {c.microclusters} or, with one, "
+                            f"cluster.nodes_per_microcluster = {c.nodes_per_microcluster}")
+    if m.num_layers % (p.pp_size * p.pp_chunks):
+        raise ScenarioError("model.num_layers", m.num_layers,
+                            f"is not a multiple of parallelism.pp_size x pp_chunks = {p.pp_size * p.pp_chunks}")
+    if p.pp_chunks > 1 and t.micro_batches % p.pp_size:
+        raise ScenarioError("transformer.micro_batches", t.micro_batches,
+                            f"the interleaved schedule needs a multiple of parallelism.pp_size = {p.pp_size}")
+    if s.workload.tokens_per_rank % (t.micro_batches * t.seq_len):
+        raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
+                            f"{s.workload.tokens_per_rank} is not a multiple of micro_batches x seq_len")
+    refused = (("pager.enabled", s.pager.enabled, "paging across micro-batches is not modelled"),
+               ("workload.trace", s.workload.trace, "a trace holds whole steps' routing, not one stage's"),
+               ("overlap.micro_batches", s.overlap.micro_batches if s.overlap.micro_batches > 1 else 0,
+                "M22's micro-batches inside a layer are not combined with the pipeline's"))
+    for name, value, why in refused:
+        if value:
+            raise ScenarioError(name, value, f"with pipeline parallelism or transformer.micro_batches: {why}")
+
+
+def _check_fault(path: str, f: "FaultConfig", world: int) -> None:
+    if f.kind == "link_degraded" and not 0 < f.factor < 1:
+        raise ScenarioError(f"{path}.factor", f.factor, "a degraded link keeps between 0 and 1 of its bandwidth")
+    kind, _, index = f.target.partition(":")
+    if f.kind == "gpu_lost" and kind != "gpu":
+        raise ScenarioError(f"{path}.target", f.target, "a lost GPU is named gpu:N")
+    if kind in ("gpu", "leaf") and not index.isdigit():
+        raise ScenarioError(f"{path}.target", f.target, f"expected {kind}:N with N a number")
+    if kind == "gpu" and int(index) >= world:
+        raise ScenarioError(f"{path}.target", f.target, f"there are {world} GPUs")
+    if kind not in ("gpu", "leaf", "nvlink", "nic", "spine", "pcie"):
+        raise ScenarioError(f"{path}.target", f.target, "expected nvlink, nic, spine, pcie, leaf:M or gpu:N")
+
+
+def field_docs() -> list[tuple[str, Any, str]]:
+    """(dotted name, default, doc) for every scenario field, in file order."""
+    rows = []
+    for section, cls in list(SECTIONS.items()) + [("faults[]", FaultConfig)]:
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{section}.{f.name}", default, f.metadata["doc"]))
+    return rows
