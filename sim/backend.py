@@ -29,7 +29,8 @@ from sim.network.network import Network
 from sim.pipeline.run import PipelinedStep
 from sim.step.flow_executor import run_flows
 from sim.step.memory_breakdown import memory_breakdown
-from sim.step.phases import PhaseBuilder, StepDecisions
+from sim.step.phase_builder import PhaseBuilder
+from sim.step.phases import StepDecisions
 from sim.step.probe import ModelledProbe
 from sim.step.schedule import WarmStart, copy_timer, run_analytic
 from sim.step.step_report import figures, trace_events

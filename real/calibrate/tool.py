@@ -216,7 +216,7 @@ def _alone(world: int) -> float:
 
 # ---- host costs per stage -----------------------------------------------------------------
 def stage_calls(scenario: Scenario) -> dict[str, int]:
-    """Calls of each stage per step, as the simulator counts host costs (phases.py)."""
+    """Calls of each stage per step, as the simulator counts host costs (sim/step/phase_builder.py)."""
     layers = scenario.model.num_layers
     calls = {s: layers for s in STAGES}
     calls["paging"] = 2 * layers + 1

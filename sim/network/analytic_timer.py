@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sim.network.collective_model import Atom, CollectiveModel
+from sim.network.collective_algorithms import Atom
+from sim.network.collective_model import CollectiveModel
 from testbed.policy.collectives import CollectiveOp
 
 

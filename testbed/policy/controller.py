@@ -8,6 +8,8 @@ M9), and the page moves of the ranks it pages (M12-M16); for each layer, backwar
 mirrored ops; after the backward, the expert-sync and dense-sync ops with the group-cache
 lookups (M8-M10) and the page moves of the weight update; at the end of the step, the
 heat map update (M18-M20) and the cold / wake / hot page moves it triggers.
+The answers are the records of ``testbed.policy.step_decisions`` (``LayerForward``,
+``LayerBackward``, ``SyncPlan``, ``StepEnd``).
 
 It is deterministic given the scenario and the routed counts, so the simulator keeps
 one for the whole cluster and every real rank keeps one of its own (paging only its own
@@ -44,81 +46,18 @@ nobody routed to has a zero gradient and does not change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from testbed.policy.capacity import expert_capacity, kept_counts
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.group_cache import CacheEvents, GroupCache
-from testbed.policy.heat import HeatMap, HeatUpdate, below
+from testbed.policy.heat import HeatMap, below
 from testbed.policy.pager import RankPager
 from testbed.policy.pager_pool import MovesByRank, PagerPool
 from testbed.policy.planner import Planner
+from testbed.policy.step_decisions import LayerBackward, LayerForward, StepEnd, SyncPlan
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
-
-
-@dataclass
-class LayerForward:
-    """Decisions for one layer's forward pass."""
-
-    layer: int
-    routed: np.ndarray  # [W, E] slots routed per rank and expert
-    kept: np.ndarray  # [W, E] slots kept under capacity
-    active: np.ndarray  # [R, E] EP group g kept at least one slot for expert e
-    route_ops: list[CollectiveOp]
-    refresh_ops: list[CollectiveOp]  # batch 0: refresh requests (all_gather), batch 1: the p2p copies
-    dispatch_ops: list[CollectiveOp]
-    combine_ops: list[CollectiveOp]
-    page_moves: MovesByRank  # per paged rank: refresh rows then access rows
-    # heat.deferred (M18), layer 0 only: the last step's heat update, applied after this
-    # layer's access while its experts are pinned (M13's pending work); its page moves
-    # run beside this layer, not before its experts
-    heat: HeatUpdate | None = None
-    heat_moves: MovesByRank = field(default_factory=MovesByRank)
-    heat_ops: list[CollectiveOp] = field(default_factory=list)
-    frozen: dict[int, int] | None = None
-    # pager.prefetch_ahead (M14): the next layer's predicted-first pages, loaded while this
-    # layer computes (its experts pinned); run after this layer's own copies, beside it
-    prefetch_moves: MovesByRank = field(default_factory=MovesByRank)
-    # the whole transformer's tensor parallelism in the layer's block (with layer 0 the
-    # embedding's, with the last the output head's), in order (Planner.dense_tp_ops)
-    dense_ops: list[list[CollectiveOp]] = field(default_factory=list)
-
-    @property
-    def dropped_slots(self) -> int:
-        return int(self.routed.sum() - self.kept.sum())
-
-
-@dataclass
-class LayerBackward:
-    layer: int
-    combine_backward_ops: list[CollectiveOp]
-    dispatch_backward_ops: list[CollectiveOp]
-    page_moves: MovesByRank  # per paged rank: reloads before the experts' backward
-    dense_ops: list[list[CollectiveOp]] = field(default_factory=list)  # Planner.dense_tp_ops, backward
-
-
-@dataclass
-class SyncPlan:
-    """Gradient sync and weight update after the backward pass."""
-
-    expert_sync_ops: list[CollectiveOp]  # the step's discovery (layer -1) first, then per layer
-    dense_sync_ops: list[CollectiveOp]  # router-gradient buckets, in backward order
-    cache: CacheEvents | None  # None under allreduce sync (no cached groups)
-    updated: dict[int, np.ndarray]  # per rank of paged_ranks: local instances whose weights change
-    page_moves: MovesByRank  # per paged rank: update rows then stale rows
-
-
-@dataclass
-class StepEnd:
-    heat: HeatUpdate | None  # None when no heat update was due
-    page_moves: MovesByRank = field(default_factory=MovesByRank)
-    heat_ops: list[CollectiveOp] = field(default_factory=list)  # at a heat update: the compute heat all-reduce
-    # after a heat update: per paged rank, its local expert instances cold-migrated (M13)
-    # and not brought back since (frozen: pages off the GPU, still routable, M19)
-    frozen: dict[int, int] | None = None
 
 
 class Controller:

@@ -3,7 +3,7 @@
 Each sender splits the rows it sends each receiver into ``n`` consecutive chunks, the
 first ``count % n`` of them one row longer: micro-batch ``i`` carries chunk ``i`` of
 every (sender, receiver) pair. The simulator splits an op's byte matrix this way
-(``sim.step.phases.split_op``, in whole rows of ``CollectiveOp.row_bytes``) and the real
+(``sim.step.phase_sizes.split_op``, in whole rows of ``CollectiveOp.row_bytes``) and the real
 backend moves exactly these rows (``real.comm.micro_batches``), so both count the same bytes per
 micro-batch.
 """

@@ -1,7 +1,7 @@
 """How a scenario's fields are declared and read: ``doc`` declares one (its default,
 one-line doc, type, choices and check), ``build_section`` reads a TOML table into its
 section, coercing and checking every value and naming the dotted field and the value in
-every ``ScenarioError``. The sections themselves are in ``testbed.scenario.scenario``.
+every ``ScenarioError``. The sections themselves are in ``testbed.scenario.sections``.
 """
 
 from __future__ import annotations

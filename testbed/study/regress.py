@@ -16,8 +16,8 @@ time) and its ties: candidates within ``testbed.study.decisions.TIE_WITHIN`` (1%
 one are tied, so a best that wins by less is recorded as a tie of the named candidates
 and holds whichever of them is best; a decision with one candidate (one capacity factor
 within the drop budget) is recorded as carrying no information. Every metric carries its
-tolerance and a one-line reason for it (``testbed.study.golden``: the file, comparing, the
-table and the diff).
+tolerance and a one-line reason for it (``testbed.study.golden``: the file;
+``testbed.study.golden_compare``: comparing, the table and the diff).
 
 - every entry within its tolerance: a short table (each decision with its margin, tie or
   "no information"), exit 0;
@@ -47,7 +47,8 @@ from testbed.run.store import scenario_hash
 from testbed.scenario.file import load_scenario
 from testbed.scenario.scenario import Scenario
 from testbed.study import decisions as D
-from testbed.study.golden import BYTES, COUNT, FRACTION, MEMORY, RATIO, TIME, Entry, Tol, check, load_golden, update
+from testbed.study.golden import BYTES, COUNT, FRACTION, MEMORY, RATIO, TIME, Entry, Tol, load_golden
+from testbed.study.golden_compare import check, update
 from testbed.study.sweep import Sweep, point_label, run_sweep, with_keys
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ import simpy
 
 from sim.hardware.fabric import build_fabric
 from sim.network.analytic_timer import AnalyticTimer
-from sim.network.collective_model import CollectiveModel, binary_tree, double_tree, tree_depth
+from sim.network.collective_algorithms import binary_tree, double_tree, tree_depth
+from sim.network.collective_model import CollectiveModel
 from sim.network.network import Network
 from testbed.policy.collectives import CollectiveOp
 from testbed.scenario.links import route

@@ -8,7 +8,8 @@ import pytest
 import simpy
 
 from sim.hardware.fabric import build_fabric
-from sim.network.network import Network, max_min_rates, water_fill
+from sim.network.max_min import max_min_rates, water_fill
+from sim.network.network import Network
 from testbed.core.errors import RunError
 from testbed.scenario.profile import load_profile, profile_from_dict
 from testbed.scenario.sections import ClusterConfig

@@ -6,18 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.policy import heat
-from testbed.policy.pager import (
-    ACTIVE,
-    COLD,
-    EVICTED,
-    GPU,
-    HOST,
-    NONE,
-    PEER,
-    REASONS,
-    PageMoves,
-    RankPager,
-)
+from testbed.policy.page_table import ACTIVE, COLD, EVICTED
+from testbed.policy.pager import GPU, HOST, NONE, PEER, REASONS, PageMoves, RankPager
 from testbed.scenario.sections import PagerConfig
 
 A, B, C = 10, 20, 30  # expert instance ids

@@ -28,7 +28,7 @@ from testbed.cli.main import main as cli_main
 from testbed.policy import controller
 from testbed.study import decisions as D
 from testbed.study import golden as golden_file
-from testbed.study import regress
+from testbed.study import golden_compare, regress
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_the_shipped_golden_file_is_what_update_writes_now(suite):
     shipped = json.loads(regress.GOLDEN.read_text())
     now = json.loads(golden_file.golden_text(golden_file.golden_from(suite["current"])))
     if shipped != now or suite["rc"] != 0:
-        diff = (golden_file.update_diff(shipped, now) if shipped.get("format") == golden_file.FORMAT
+        diff = (golden_compare.update_diff(shipped, now) if shipped.get("format") == golden_file.FORMAT
                 else [f"format {shipped.get('format')} -> {golden_file.FORMAT}"])
         pytest.fail(f"{regress.GOLDEN} is out of date: regenerate it with `{golden_file.UPDATE_COMMAND}` and "
                     "review its diff:\n" + "\n".join(diff[:20]) + "\n" + suite["out"][-3000:] + suite["err"][-2000:])
@@ -154,7 +154,7 @@ def test_a_tie_holds_whichever_tied_candidate_is_best_and_fails_when_it_breaks(c
     assert t1 > t0
     e["tie_within"] = 1.5 * e["margin"]
     e["candidates"][:2] = [[second, t0], [best, t1]]
-    tied = golden_file.decision_at(e, e["tie_within"])
+    tied = golden_compare.decision_at(e, e["tie_within"])
     assert tied["outcome"] == "tie" and tied["value"][:2] == [second, best]
     e.update(tied)
     rc, out = _run(_write(tmp_path, golden), capsys)
@@ -173,7 +173,7 @@ def test_a_choice_that_became_a_tie_or_a_candidate_that_now_wins_exits_1(cached,
     name = "page_size.best"
     e = golden["decisions"][name]
     e["tie_within"] = e["margin"] / 2
-    e.update(golden_file.decision_at(e, e["tie_within"]))
+    e.update(golden_compare.decision_at(e, e["tie_within"]))
     assert e["outcome"] == "choice"
     assert _run(_write(tmp_path, golden), capsys)[0] == 0
     edited = copy.deepcopy(golden)
@@ -196,10 +196,10 @@ def test_a_deterministic_1_9_percent_step_time_regression_fails(cached, golden):
     name = "page_size.best.sim_step_s"
     now = copy.deepcopy(golden)
     now["metrics"][name]["value"] *= 1.019  # what a 2% tolerance let through
-    bad = [r for r in golden_file.compare(now, golden) if not r.ok]
+    bad = [r for r in golden_compare.compare(now, golden) if not r.ok]
     assert [r.name for r in bad] == [name] and bad[0].change == "+1.9%"
     now["metrics"][name]["value"] = golden["metrics"][name]["value"] * (1 + 1e-10)  # float rounding: within
-    assert all(r.ok for r in golden_file.compare(now, golden))
+    assert all(r.ok for r in golden_compare.compare(now, golden))
 
 
 def test_a_metric_beyond_its_tolerance_exits_1(cached, golden, tmp_path, capsys):
@@ -215,12 +215,12 @@ def test_tolerances_come_from_the_golden_file(cached, golden, tmp_path):
     time_metric, bytes_metric = "page_size.best.sim_step_s", "strategies.best.bytes_by_level.spine"
     golden["metrics"][time_metric]["value"] *= 1.01
     path = _write(tmp_path, golden)
-    assert golden_file.check(cached, golden_file.load_golden(path), path, out=lambda *a: None) == 1
+    assert golden_compare.check(cached, golden_file.load_golden(path), path, out=lambda *a: None) == 1
     golden["metrics"][time_metric]["tolerance"] = 0.02  # loosened by hand in the file (say a noisy source)
-    assert golden_file.check(cached, golden, path, out=lambda *a: None) == 0
+    assert golden_compare.check(cached, golden, path, out=lambda *a: None) == 0
     golden["metrics"][bytes_metric]["value"] += 1  # bytes are exact: one byte is a move
     lines: list[str] = []
-    assert golden_file.check(cached, golden, path, out=lines.append) == 1
+    assert golden_compare.check(cached, golden, path, out=lines.append) == 1
     assert any(line.startswith(bytes_metric) for line in "\n".join(lines).splitlines())
 
 
@@ -289,10 +289,10 @@ def test_two_tiers_swapped_in_a_ranking_exits_1(cached, golden, tmp_path, capsys
 
 def test_compare_is_pure_over_the_current_values(cached, golden):
     # the comparison the CLI prints, on mappings alone: all rows ok, then one reordered
-    assert all(r.ok for r in golden_file.compare(cached, golden))
+    assert all(r.ok for r in golden_compare.compare(cached, golden))
     edited = copy.deepcopy(golden)
     edited["decisions"]["placement.ranking[ep=2]"]["value"].reverse()
-    bad = [r for r in golden_file.compare(cached, edited) if not r.ok]
+    bad = [r for r in golden_compare.compare(cached, edited) if not r.ok]
     assert [r.name for r in bad] == ["placement.ranking[ep=2]"] and bad[0].change == "reordered"
 
 
@@ -301,7 +301,7 @@ def test_an_entry_missing_on_one_side_or_a_redefined_sweep_exits_1(cached, golde
     del edited["metrics"]["page_size.best.peak_memory_bytes"]
     edited["metrics"]["page_size.best.gone"] = {"value": 1, "tolerance": 0, "reason": "x"}
     edited["sweeps"]["page_size"]["axes"]["pager.page_size_bytes"].pop()
-    bad = {r.name: r.change for r in golden_file.compare(cached, edited) if not r.ok}
+    bad = {r.name: r.change for r in golden_compare.compare(cached, edited) if not r.ok}
     assert bad == {"page_size.best.peak_memory_bytes": "not in golden", "page_size.best.gone": "gone",
                    "sweep page_size": "redefined"}
 
@@ -316,7 +316,7 @@ def test_update_rewrites_a_copy_and_prints_the_diff(cached, golden, tmp_path, ca
     assert cli_main(["regress", "--update", "--golden", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     now = golden_file.decision_json(cached["decisions"][name])
-    assert f"{name}: {golden_file.show_decision(old)} -> {golden_file.show_decision(now)} (reordered)" in out
+    assert f"{name}: {golden_compare.show_decision(old)} -> {golden_compare.show_decision(now)} (reordered)" in out
     assert "heat_weights.best.sim_step_s:" in out and "(-50%)" in out
     assert "2 changed" in out
     assert json.loads(path.read_text()) == json.loads(json.dumps(golden_file.golden_from(cached)))

@@ -1,5 +1,5 @@
 """Decisions with their margins and ties (``testbed.study.decisions.Decision``) and how the
-golden file compares them (``testbed.study.golden.decision_holds``): a tie holds whichever of
+golden file compares them (``testbed.study.golden_compare.decision_holds``): a tie holds whichever of
 its candidates is best and fails when it breaks beyond its margin, widens, or another
 candidate wins; a single candidate carries no information; a ranking holds tier by tier.
 Pure: made-up candidates, no sweep runs."""
@@ -12,6 +12,7 @@ import pytest
 
 from testbed.study import decisions as D
 from testbed.study import golden as G
+from testbed.study import golden_compare as C
 
 
 def _best(*cands, tie=0.01, ranking=False):
@@ -61,41 +62,41 @@ GOLDEN_TIE = _best(("a", 1.0), ("b", 1.00035), ("c", 1.05))
     ((("a", 1.0),), False, "no information now (one candidate)"),
 ])
 def test_a_golden_tie(now, holds, change):
-    assert G.decision_holds(GOLDEN_TIE, _best(*now)) == (holds, change)
+    assert C.decision_holds(GOLDEN_TIE, _best(*now)) == (holds, change)
 
 
 def test_a_golden_choice_fails_when_it_becomes_a_tie_or_another_wins():
     golden = _best(("a", 1.0), ("b", 1.05))
-    assert G.decision_holds(golden, _best(("a", 1.0), ("b", 1.03))) == (True, "same")
-    assert G.decision_holds(golden, _best(("a", 1.0), ("b", 1.005))) == (False, "now a tie with b")
-    assert G.decision_holds(golden, _best(("b", 1.0), ("a", 1.05))) == (False, "flipped")
+    assert C.decision_holds(golden, _best(("a", 1.0), ("b", 1.03))) == (True, "same")
+    assert C.decision_holds(golden, _best(("a", 1.0), ("b", 1.005))) == (False, "now a tie with b")
+    assert C.decision_holds(golden, _best(("b", 1.0), ("a", 1.05))) == (False, "flipped")
 
 
 def test_no_information_must_stay_so():
     golden = _best((0.0, 1.0))
-    assert G.decision_holds(golden, _best((0.0, 2.0))) == (True, "same")
-    assert G.decision_holds(golden, _best((0.0, 1.0), (2.0, 1.5))) == (False, "carries information now (2 candidates)")
+    assert C.decision_holds(golden, _best((0.0, 2.0))) == (True, "same")
+    assert C.decision_holds(golden, _best((0.0, 1.0), (2.0, 1.5))) == (False, "carries information now (2 candidates)")
 
 
 def test_the_golden_tie_margin_cuts_the_current_candidates():
     # a tie margin loosened by hand in the file: the current candidates are cut at it
     golden = _best(("a", 1.0), ("b", 1.02), tie=0.01)
     now = _best(("b", 1.0), ("a", 1.02), tie=0.01)
-    assert not G.decision_holds(golden, now)[0]
+    assert not C.decision_holds(golden, now)[0]
     golden = {**golden, "tie_within": 0.05, "outcome": "tie", "value": ["a", "b"]}
-    assert G.decision_holds(golden, now) == (True, "same")
+    assert C.decision_holds(golden, now) == (True, "same")
 
 
 def test_a_ranking_holds_tier_by_tier():
     golden = _best(("x", 1.0), ("y", 1.1), ("z", 1.105), ranking=True)  # x > y ~ z
-    assert G.decision_holds(golden, _best(("x", 1.0), ("z", 1.1), ("y", 1.104), ranking=True)) == (True, "same")
-    assert G.decision_holds(golden, _best(("x", 1.0), ("y", 1.1), ("z", 1.2), ranking=True)) == (False, "ties changed")
-    assert G.decision_holds(golden, _best(("y", 1.0), ("x", 1.1), ("z", 1.2), ranking=True)) == (False, "reordered")
-    assert G.decision_holds(golden, _best(("x", 1.0), ("y", 1.1), ranking=True)) == (False, "changed")
+    assert C.decision_holds(golden, _best(("x", 1.0), ("z", 1.1), ("y", 1.104), ranking=True)) == (True, "same")
+    assert C.decision_holds(golden, _best(("x", 1.0), ("y", 1.1), ("z", 1.2), ranking=True)) == (False, "ties changed")
+    assert C.decision_holds(golden, _best(("y", 1.0), ("x", 1.1), ("z", 1.2), ranking=True)) == (False, "reordered")
+    assert C.decision_holds(golden, _best(("x", 1.0), ("y", 1.1), ranking=True)) == (False, "changed")
 
 
 def test_the_tables_show_ties_choices_and_no_information():
-    assert G.show_decision(GOLDEN_TIE) == "tie: a ~ b"
-    assert G.show_decision(_best(("a", 1.0), ("b", 1.5))) == "a"
-    assert G.show_decision(_best((0.0, 1.0))) == "0 (no information)"
-    assert G.show_decision(_best(("x", 1.0), ("y", 1.1), ("z", 1.105), ranking=True)) == "x > y ~ z"
+    assert C.show_decision(GOLDEN_TIE) == "tie: a ~ b"
+    assert C.show_decision(_best(("a", 1.0), ("b", 1.5))) == "a"
+    assert C.show_decision(_best((0.0, 1.0))) == "0 (no information)"
+    assert C.show_decision(_best(("x", 1.0), ("y", 1.1), ("z", 1.105), ranking=True)) == "x > y ~ z"

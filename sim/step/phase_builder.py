@@ -1,0 +1,435 @@
+"""The phases of one step from the controller's decisions (``PhaseBuilder``; the ``Phase``
+and the copy-overlap rule: ``sim.step.phases``); seconds and bytes per GPU.
+
+Without overlap every phase depends on the one before it, so a rank works in the order
+the real backend does:
+
+forward, per layer:  (whole transformer: dense, its tensor-parallel collectives,) route,
+                     the EP group's counts all-gather, refresh requests and replica
+                     refreshes, page loads, dispatch, experts, combine (whole
+                     transformer, after the last layer: the output head)
+backward, per layer: combine_backward, page reloads, experts_backward,
+                     dispatch_backward, route_backward (whole transformer: dense_backward)
+then:                active-group discovery (M10), communicator creation, expert_sync,
+                     dense_sync (one all-reduce per gradient bucket), optimizer, heat,
+                     paging
+
+Overlap (M22): with ``overlap.micro_batches = n > 1`` the token exchange and the experts
+of a layer (forward and backward) run as n micro-batches, the collectives on the comm
+stream and the experts on the compute stream, so one micro-batch's all-to-all overlaps
+another's experts; ``overlap.sync_with_backward`` puts a layer's gradient sync (and
+each router-gradient bucket its layer completes) on the sync stream as soon as its
+backward is done, after the step's discovery, which runs there once the forward is
+done; page loads go on the copy stream, overlapping the dispatch, when the profile says
+copies overlap compute (``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``)
+are already in the ops' bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from sim.hardware.compute import ComputeModel
+from sim.hardware.dense_layers import DenseLayers
+from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy, split_op
+from sim.step.phases import Phase, StepDecisions, unhidden_seconds
+from testbed.core.stages import STAGES
+from testbed.policy.collectives import CollectiveOp
+from testbed.policy.page_moves import GPU, HOST
+from testbed.policy.pager_pool import MovesByRank
+from testbed.policy.step_decisions import LayerForward, SyncPlan
+from testbed.policy.whole_model import block_grad_bytes, zero_shards
+from testbed.scenario.scenario import Scenario
+from testbed.scenario.topology import Layout
+
+
+class PhaseBuilder:
+    """Builds the phases of one step from the controller's decisions.
+
+    Memory per GPU (bytes) is annotated on the phases: page slots taken and freed by the
+    copies; activations saved by a layer's forward (its input, and per expert row the
+    expert input, pre-activation and output) until its backward is done; expert and
+    router gradients from the backward to the optimizer; send and receive buffers while
+    collectives run. Plain SGD keeps no optimizer state.
+    """
+
+    def __init__(self, scenario: Scenario, layout: Layout, compute: ComputeModel,
+                 group_create_s: float, copy_overlap: float, create_on_all_ranks: bool = True,
+                 host_s: dict[str, float] | None = None,
+                 copy_time: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
+                 scale_fitted: bool = False):
+        """``copy_overlap``: the profile's ``copy.overlap`` (``sim.step.phases``);
+        ``copy_time(h2d, d2h, pages)``: [W] seconds of a copy of those bytes and pages on
+        each rank's PCIe links, as the executors time it (needed when 0 < copy_overlap < 1);
+        ``scale_fitted``: the compute model's contention factor is fitted, not measured at
+        this world (``sim.hardware.software_latency.compute_scale_fitted``), so every compute
+        second is."""
+        self.s, self.layout, self.compute = scenario, layout, compute
+        #: stage -> (host seconds per call, host seconds per byte of the stage's work): measured
+        self.host_s = host_s or {}
+        self.group_create_s = group_create_s
+        self.create_on_all_ranks = create_on_all_ranks
+        if 0 < copy_overlap < 1 and copy_time is None:
+            raise ValueError("a copy overlap below 1 needs copy_time, to time the copies' unhidden share")
+        self.copy_overlap, self.copy_time = float(copy_overlap), copy_time
+        self.copies_overlap = copy_overlap > 0  # copies on the copy stream, beside the in-order work
+        self.scale_fitted = scale_fitted
+        m, w = scenario.model, layout.world
+        # device bytes of one page slot: a page, or a whole expert smaller than a page (RankPager.slot_bytes)
+        self.page_bytes = min(scenario.pager.page_size_bytes, m.expert_bytes)
+        # pages an expert's weights are read or updated in (real/paging/paged_store.py); unpaged: one tensor
+        self.pages_per_expert = -(-m.expert_bytes // self.page_bytes) if scenario.pager.enabled else 0
+        self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
+        self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
+        self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
+        self.dense = DenseLayers(scenario, compute)  # the whole transformer's non-MoE work (issue 13)
+        self.zero = zero_shards(scenario)  # ZeRO: (dense state, expert state, dense grad, expert grad) shards
+        #: bytes of each layer block's gradients a GPU keeps (its ZeRO-2 shard), whole transformer
+        self.block_grads = [block_grad_bytes(scenario, layer) / self.zero[2] for layer in range(m.num_layers)]
+
+    # ---- sizes ------------------------------------------------------------------------------
+    def expert_rows(self, fwd: LayerForward) -> np.ndarray:
+        """[W, E/P] rows each local expert computes: kept slots of the rank's EP group."""
+        per_group = fwd.kept[self.layout.rank_of].sum(axis=1)  # [R, E]
+        return np.take_along_axis(per_group[self.layout.group_of], self.local, axis=1)
+
+    def expert_seconds(self, rows: np.ndarray, backward: bool) -> np.ndarray:
+        """[W] seconds of a layer's experts on each rank: the GEMMs, and reading the weights
+        of every expert that computes from its pages (forward, and again in the backward)."""
+        m = self.s.model
+        gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
+        return gemm + self.page_read_seconds(rows)
+
+    def page_read_seconds(self, rows: np.ndarray) -> np.ndarray:
+        """[W] host seconds of reading the pages of every expert that computes, once
+        (``copy.read_page_us``, a fitted constant of calibrated CPU profiles; 0 on GPUs)."""
+        return self.compute.page_read_time((rows > 0).sum(axis=1) * self.pages_per_expert)
+
+    def expert_fitted_seconds(self, rows: np.ndarray, seconds: np.ndarray, backward: bool) -> np.ndarray:
+        """[W] seconds of the experts' ``seconds`` that come from fitted constants: all of
+        them with a fitted compute scale, else their page reads (twice in a backward with
+        full recompute: its forward reads them again)."""
+        if self.scale_fitted:
+            return seconds
+        return self.page_read_seconds(rows) * (2 if backward and self.recompute else 1)
+
+    @property
+    def recompute(self) -> bool:
+        """Full activation recompute (whole transformer): every layer, MoE ones included,
+        keeps only its input and runs its forward again in the backward."""
+        return self.s.transformer.enabled and self.s.transformer.recompute == "full"
+
+    def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
+        """[W] bytes an MoE layer's forward keeps for its backward: its input and, per
+        expert row, the expert's input, pre-activation and output (with full recompute,
+        the input only)."""
+        m = self.s.model
+        per_row = 0 if self.recompute else 2 * m.hidden_size + m.ffn_hidden_size
+        return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
+
+    def expert_backward_seconds(self, rows: np.ndarray) -> np.ndarray:
+        """[W] seconds of a layer's experts' backward (with full recompute, their forward first)."""
+        seconds = self.expert_seconds(rows, True)
+        return seconds + self.expert_seconds(rows, False) if self.recompute else seconds
+
+    # ---- building ---------------------------------------------------------------------------
+    def build(self, d: StepDecisions) -> list[Phase]:
+        self.phases: list[Phase] = []
+        self.main = -1  # last phase of the in-order chain
+        s, m, w = self.s, self.s.model, self.layout.world
+        n = s.overlap.micro_batches
+        rows = {f.layer: self.expert_rows(f) for f in d.forward}
+        act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
+        grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes / self.zero[3] for layer, r in rows.items()}
+        self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
+        tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
+        prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
+        dense = self.dense
+        for f in d.forward:
+            if dense.enabled:  # the layer's attention and the dense layers before it
+                self.host("dense", f.layer, tokens)
+                self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.block_forward_s),
+                           mem_delta=np.full(w, dense.block_activation_bytes))
+                for ops in f.dense_ops:  # tensor parallelism, after the compute (not overlapped)
+                    self.chain("dense", f.layer, "ops", "comm", ops=ops)
+            self.host("route", f.layer, tokens)
+            self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
+            self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
+            moved = page_copy(f.page_moves, w)
+            self.host("paging", f.layer, moved[0] + moved[1] + buffer_bytes(f.refresh_ops, w))
+            for batch in batches(f.refresh_ops):  # the requests, then the copies they ask for
+                self.chain("paging", f.layer, "ops", "comm", ops=batch)
+            if f.heat is not None:  # heat.deferred (M18): the last step's heat update, here
+                self.heat_phase(f.layer, f.heat_ops, d.probe_s)
+            x_seconds = self.expert_seconds(rows[f.layer], False)
+            x_fitted = self.expert_fitted_seconds(rows[f.layer], x_seconds, False)
+            pipe = self.page_pipeline(f, rows[f.layer], moved, x_seconds) if n == 1 else None
+            copy = self.copy_phase(f.layer, moved) if pipe is None else pipe[0]
+            if copy < 0 and pipe is None:  # nothing loads on demand: the experts wait for what came ahead (M14)
+                copy = prefetched
+            prefetched = -1
+            # after the layer's own copies on the copy stream, so its experts do not wait for them:
+            # a deferred heat update's moves (M18), then the next layer's prefetch (M14)
+            for extra, is_prefetch in ((f.heat_moves, False), (f.prefetch_moves, True)):
+                if not extra.empty:
+                    extra_moved = page_copy(extra, w)
+                    self.host("paging", f.layer, extra_moved[0] + extra_moved[1])
+                    phase = self.copy_phase(f.layer, extra_moved)
+                    prefetched = phase if is_prefetch else prefetched
+            self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer], x_fitted),
+                          ("combine", f.combine_ops), n, copy, pipeline=pipe)
+        if dense.enabled:  # the output head and the loss, forward then backward
+            self.host("dense", m.num_layers - 1, tokens)
+            self.chain("dense", m.num_layers - 1, "compute", "compute", seconds=np.full(w, dense.head_forward_s),
+                       mem_delta=np.full(w, dense.head_activation_bytes))
+            self.host("dense_backward", m.num_layers - 1, tokens)
+            self.chain("dense_backward", m.num_layers - 1, "compute", "compute",
+                       seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, -dense.head_activation_bytes))
+        sync_phases: list[int] = []
+        overlap_sync = s.overlap.sync_with_backward
+        creating = self.creation_seconds(d.sync)
+        discovery = [op for op in d.sync.expert_sync_ops if op.layer < 0]  # M10, once the forward is done
+        expert_ops = [op for op in d.sync.expert_sync_ops if op.layer >= 0]
+        if overlap_sync and discovery:
+            sync_phases.append(self.add("expert_sync", -1, "ops", "sync", (self.main,), ops=discovery))
+        if overlap_sync and creating.any():  # communicators can be made once discovery knows A_e
+            deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
+            sync_phases.append(self.add("expert_sync", -1, "wait", "sync", deps, seconds=creating))
+        for layer in reversed(range(m.num_layers)):
+            b = d.backward[layer]
+            moved = page_copy(b.page_moves, w)
+            self.host("paging", layer, moved[0] + moved[1])
+            copy = self.copy_phase(layer, moved)
+            xb_seconds = self.expert_backward_seconds(rows[layer])
+            self.exchange(layer, ("combine_backward", b.combine_backward_ops),
+                          ("experts_backward", xb_seconds, grads[layer],
+                           self.expert_fitted_seconds(rows[layer], xb_seconds, True)),
+                          ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer])
+            self.host("route_backward", layer, tokens)
+            self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
+                       mem_delta=self.router_grad_bytes - act[layer])
+            if dense.enabled:  # the block's backward: its activations go, its gradients come
+                self.host("dense_backward", layer, tokens)
+                self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.block_backward_s),
+                           mem_delta=np.full(w, self.block_grads[layer] - dense.block_activation_bytes))
+                for ops in b.dense_ops:
+                    self.chain("dense_backward", layer, "ops", "comm", ops=ops)
+            if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
+                for stage, ops in (("expert_sync", expert_ops), ("dense_sync", d.sync.dense_sync_ops)):
+                    for batch in batches([op for op in ops if op.layer == layer]):
+                        deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
+                        sync_phases.append(self.add(stage, layer, "ops", "sync", deps, ops=batch,
+                                                    mem_transient=buffer_bytes(batch, w)))
+        self.host("expert_sync", -1, buffer_bytes(d.sync.expert_sync_ops, w))
+        if not overlap_sync:
+            self.chain("expert_sync", -1, "ops", "comm", ops=discovery)
+            if creating.any():
+                self.chain("expert_sync", -1, "wait", "comm", seconds=creating)
+            for batch in batches(expert_ops):
+                self.chain("expert_sync", batch[0].layer, "ops", "comm", ops=batch)
+            self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
+            for batch in batches(d.sync.dense_sync_ops):
+                self.chain("dense_sync", batch[0].layer, "ops", "comm", ops=batch)
+        else:
+            self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
+        n_updated = np.zeros(w)  # local expert instances whose weights the step changes
+        for r, inst in d.sync.updated.items():
+            n_updated[r] = len(inst)
+        updated = n_updated * m.expert_bytes
+        self.host("optimizer", -1, updated)
+        update = self.compute.page_update_time(n_updated * self.pages_per_expert)  # page by page (fitted)
+        opt = self.optimizer_seconds(n_updated) + update
+        deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
+        all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
+        if dense.enabled:
+            all_grads = all_grads + sum(self.block_grads)
+        self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads,
+                             fitted_s=update)
+        self.host("heat", -1, np.zeros(w))
+        if d.end.heat is not None:
+            self.heat_phase(-1, d.end.heat_ops, d.probe_s)
+        moved = page_copy(MovesByRank.concat([d.sync.page_moves, d.end.page_moves]), w)
+        self.host("paging", -1, moved[0] + moved[1])
+        self.copy_phase(-1, moved)
+        compacted = defrag_pages(d.end.page_moves, w)
+        if compacted.any():  # M17: device to device on the copy stream; the next step's loads queue behind it
+            seconds = self.compute.defrag_time(compacted * self.page_bytes)
+            self.add("paging", -1, "wait", "copy", (self.main,), seconds=seconds,
+                     fitted_s=seconds if self.scale_fitted else None)
+        return self.phases
+
+    def optimizer_seconds(self, n_updated: np.ndarray) -> np.ndarray:
+        """[W] seconds of the optimizer step: the updated experts' weights and the routers
+        by SGD, or with the whole transformer's Adam (``transformer.optimizer``) every
+        parameter the rank holds (its experts, the dense ones) by mixed-precision Adam."""
+        m, t = self.s.model, self.s.transformer
+        router_bytes = self.router_grad_bytes * m.num_layers
+        if not t.enabled or t.optimizer == "sgd":
+            dense = self.dense.param_bytes if t.enabled else 0.0
+            return np.array([self.compute.optimizer_time(b + router_bytes + dense) for b in n_updated * m.expert_bytes])
+        dense_shard, expert_shard, _, _ = self.zero  # ZeRO: each rank updates its shard
+        params = n_updated * m.expert_params / expert_shard + (self.dense.dense_params + self.dense.router_params) / dense_shard
+        return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
+
+    def heat_phase(self, layer: int, ops: list[CollectiveOp], probe_s: np.ndarray | None) -> None:
+        """A heat update (M18-M20) in the chain: its all-reduces, then the scoring on the
+        host and the probe activations on the GPUs holding the probed replicas."""
+        w = self.layout.world
+        self.chain("heat", layer, "ops", "comm", ops=ops)
+        seconds = np.full(w, self.compute.heat_update_time(self.s.model.num_layers * self.s.model.num_experts))
+        if probe_s is not None:
+            seconds = seconds + probe_s
+        self.chain("heat", layer, "compute", "compute", seconds=seconds)
+
+    def creation_seconds(self, sync: SyncPlan) -> np.ndarray:
+        """[W] seconds each rank spends creating the communicators the group cache missed
+        (M10): all of them on every rank (torch new_group on gloo) or only those it is a
+        member of (NCCL), as the profile says."""
+        w = self.layout.world
+        created = sync.cache.created if sync.cache else []
+        if self.create_on_all_ranks:
+            return np.full(w, len(created) * self.group_create_s)
+        count = np.zeros(w)
+        for members in created:
+            count[list(members)] += 1
+        return count * self.group_create_s
+
+    def host(self, stage: str, layer: int, work_bytes: np.ndarray) -> None:
+        """The host's cost of one call of ``stage`` on ``work_bytes`` [W] of data (measured
+        profiles only): a fixed part and a part per byte."""
+        self.host_bytes[stage] += float(np.mean(work_bytes))
+        fixed, per_byte = self.host_s.get(stage, (0.0, 0.0))
+        seconds = fixed + per_byte * work_bytes
+        if np.any(seconds > 0):
+            self.chain(stage, layer, "compute", "compute", seconds=seconds, fitted=True)
+
+    def add(self, stage, layer, kind, stream, deps, **data) -> int:
+        if kind == "ops" and "mem_transient" not in data:
+            data["mem_transient"] = buffer_bytes(data["ops"], self.layout.world)
+        if kind == "compute" and self.scale_fitted and not data.get("fitted"):
+            data["fitted_s"] = data["seconds"]  # every compute second is scaled by the fitted factor
+        self.phases.append(Phase(stage, layer, kind, stream, tuple(x for x in deps if x >= 0), **data))
+        return len(self.phases) - 1
+
+    def chain(self, stage, layer, kind, stream, **data) -> int:
+        """A phase after the previous one of the in-order chain; it becomes the chain's end.
+        Empty op batches are left out."""
+        if kind == "ops" and not data.get("ops"):
+            return self.main
+        self.main = self.add(stage, layer, kind, stream, (self.main,), **data)
+        return self.main
+
+    def copy_phase(self, layer: int, moved) -> int:
+        """Page moves of a layer (or the step's end), as ``page_copy`` counted them: on the
+        copy stream beside the dispatch when copies overlap compute on this machine, else
+        in the chain. Returns the phase, or -1 when they copy nothing and free no slot."""
+        h2d, d2h, pages, slots = moved
+        if not pages.any() and not slots.any():
+            return -1
+        data = dict(h2d=h2d, d2h=d2h, pages=pages, mem_delta=slots * self.page_bytes)
+        if self.copies_overlap and layer >= 0:
+            return self.overlapped_copy(layer, (self.main,), **data)
+        return self.chain("paging", layer, "copy", "copy", in_line=True, **data)
+
+    def overlapped_copy(self, layer: int, deps: tuple[int, ...], **data) -> int:
+        """A copy on the copy stream beside the in-order work, and the in-order work's wait
+        for its unhidden share (``sim.step.phases``: ``(1 - copy.overlap)`` of its seconds,
+        on the compute stream, in the chain; none when copies hide wholly). Returns the copy."""
+        copy = self.add("paging", layer, "copy", "copy", deps, **data)
+        if self.copy_overlap < 1:
+            ph = self.phases[copy]
+            seconds = unhidden_seconds(self.copy_time(ph.h2d, ph.d2h, ph.pages), self.copy_overlap)
+            if np.any(seconds > 0):
+                ph.hold = self.chain("paging", layer, "wait", "compute", seconds=seconds)
+        return copy
+
+    def page_pipeline(self, fwd: LayerForward, rows: np.ndarray, moved, x_seconds: np.ndarray):
+        """M14 page pipelining of a layer's forward (``pager.pipeline_pages``, copies on the
+        copy stream): the experts start once the first page a rank loads has arrived and
+        compute page by page (``ComputeModel.block_slowdown``); the experts of pages
+        already on the GPU compute at full width. As two copy phases (each rank's first
+        loaded page, with its write-backs, then the rest) and two expert phases: all but
+        the last block after the first page, the last block after the last page - the
+        two-machine flow shop's bound max(first page + blocks, all pages) + last block.
+        Returns (first copy, rest copy, [W] seconds before the last block, [W] the last
+        block's seconds), or None when there is nothing to pipeline (the experts then
+        wait for all their pages)."""
+        s, m, w = self.s, self.s.model, self.layout.world
+        if not (s.pager.enabled and s.pager.pipeline_pages and self.copies_overlap):
+            return None
+        h2d, d2h, pages, slots = moved
+        loads = np.zeros(w, dtype=np.int64)
+        loading = np.zeros(rows.shape, dtype=bool)  # [W, E/P] local experts with pages on the way
+        for ranks, mv in fwd.page_moves.groups():
+            load = (mv.src == HOST) & (mv.dst == GPU)
+            loads[ranks] += int(load.sum())
+            local = np.unique(mv.expert[load]) - fwd.layer * m.num_experts
+            for r in ranks:
+                loading[r, np.searchsorted(self.local[r], local)] = True
+        if not loads.any():
+            return None
+        wait_rows = np.where(loading, rows, 0)
+        blocked = self.expert_seconds(wait_rows, False) * self.compute.block_slowdown(
+            m.hidden_size, m.ffn_hidden_size, self.page_bytes)
+        ready = np.maximum(x_seconds - self.expert_seconds(wait_rows, False), 0.0)
+        tail = np.divide(blocked, loads, out=np.zeros(w), where=loads > 0)
+        share = np.divide(1.0, loads, out=np.ones(w), where=loads > 0)  # the first page's share of the moves
+        first = self.overlapped_copy(fwd.layer, (self.main,), h2d=h2d * share, d2h=d2h * share,
+                                     pages=pages * share, mem_delta=slots * self.page_bytes)
+        rest = self.overlapped_copy(fwd.layer, (first,), h2d=h2d * (1 - share), d2h=d2h * (1 - share),
+                                    pages=pages * (1 - share), mem_delta=np.zeros(w))
+        return first, rest, ready + blocked - tail, tail
+
+    def exchange(self, layer, before, experts, after, n, copy, expert_work=None, pipeline=None):
+        """Token exchange -> experts -> token exchange, in n micro-batches (M22 when n > 1).
+
+        Micro-batch i's experts wait for its first exchange (and the page loads); the comm
+        stream runs B1, B2, A1, B3, A2, ... so the exchanges of one micro-batch overlap
+        the experts of the previous one. ``experts`` = (stage, seconds [W], bytes the
+        experts leave allocated [W], seconds of theirs from fitted constants [W]); each
+        expert phase has that share of its seconds fitted.
+        """
+        (b_stage, b_ops), (x_stage, x_seconds, x_mem, x_fitted), (a_stage, a_ops) = before, experts, after
+        w = self.layout.world
+        fitted_share = np.divide(x_fitted, x_seconds, out=np.zeros(w), where=x_seconds > 0)
+        work = x_mem if expert_work is None else expert_work  # the experts' activations
+        for stage, size in ((b_stage, buffer_bytes(b_ops, w)), (x_stage, work), (a_stage, buffer_bytes(a_ops, w))):
+            self.host(stage, layer, size)  # host work of the three stages, up front
+        if n == 1:
+            for batch in batches(b_ops):
+                self.chain(b_stage, layer, "ops", "comm", ops=batch)
+            if pipeline is not None:  # M14: from the first page on, the last block after the last page
+                first, rest, before_last, last = pipeline
+                head = self.add(x_stage, layer, "compute", "compute", (self.main, first),
+                                seconds=before_last, waits_for_pages=first, fitted_s=before_last * fitted_share)
+                self.main = self.add(x_stage, layer, "compute", "compute", (head, rest),
+                                     seconds=last, mem_delta=x_mem, waits_for_pages=rest,
+                                     fitted_s=last * fitted_share)
+            else:
+                self.main = self.add(x_stage, layer, "compute", "compute", (self.main, copy),
+                                     seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy, fitted_s=x_fitted)
+            for batch in batches(a_ops):
+                self.chain(a_stage, layer, "ops", "comm", ops=batch)
+            return
+        start = self.main
+        comm_last, x_last = start, start
+        b_end = [None] * n
+
+        def comm(stage, ops, i, extra_dep):
+            nonlocal comm_last
+            for batch in batches([split_op(op, n, i) for op in ops]):
+                comm_last = self.add(stage, layer, "ops", "comm", (comm_last, extra_dep), ops=batch)
+            return comm_last
+
+        for i in range(n + 1):
+            if i < n:
+                b_end[i] = comm(b_stage, b_ops, i, start)
+            if i >= 1:
+                j = i - 1
+                x_last = self.add(x_stage, layer, "compute", "compute", (b_end[j], x_last, copy),
+                                  seconds=x_seconds / n, mem_delta=x_mem / n,
+                                  waits_for_pages=copy if j == 0 else -1, fitted_s=x_fitted / n)
+                comm(a_stage, a_ops, j, x_last)
+        self.main = comm_last
