@@ -76,7 +76,7 @@ from testbed.study.verdicts import (  # noqa: F401 (HOLDS: the verdict names, re
 )
 
 
-# ---- the claims (the others: experiments/claims_memory.py, claims_comm.py) ------------------------
+# ---- the claims (the others: experiments/claims_memory.py, claims_sync.py, claims_traffic.py) -------
 # Each claim: ``cN(ledger)`` gathers the numbers from runs, ``judge_cN(claim, ...)`` turns them
 # into the verdict, conditions and reason, a pure function tested on given numbers.
 def c1(ledger: Ledger) -> Claim:
@@ -145,11 +145,11 @@ def judge_c14(c: Claim) -> Claim:
     return c
 
 
-_memory, _comm = load_experiment("claims_memory"), load_experiment("claims_comm")
-CLAIM_FUNCTIONS = (c1, _memory.c2, _comm.c3, _comm.c4, _comm.c5, _comm.c6, _memory.c7, _memory.c8, _memory.c9,
-                   _memory.c10, _comm.c11, _comm.c12, _comm.c13, c14, _comm.c15, _comm.c16)
+_memory, _sync, _traffic = (load_experiment(n) for n in ("claims_memory", "claims_sync", "claims_traffic"))
+CLAIM_FUNCTIONS = (c1, _memory.c2, _sync.c3, _sync.c4, _sync.c5, _sync.c6, _memory.c7, _memory.c8, _memory.c9,
+                   _memory.c10, _traffic.c11, _sync.c12, _traffic.c13, c14, _traffic.c15, _traffic.c16)
 #: claim id -> its verdict function (numbers -> verdict, conditions, reason), for every claim
-JUDGES = {"C1": judge_c1, "C14": judge_c14, **_memory.JUDGES, **_comm.JUDGES}
+JUDGES = {"C1": judge_c1, "C14": judge_c14, **_memory.JUDGES, **_sync.JUDGES, **_traffic.JUDGES}
 
 
 # ---- command line ------------------------------------------------------------------------------

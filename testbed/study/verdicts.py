@@ -92,6 +92,12 @@ def close(value: float | None, target: float, *, abs_tol: float | None = None, r
     return abs(value - target) <= tol
 
 
+def held_to_conditional(c: "Claim") -> None:
+    """Claims tested only in part or under a reading: agreement is never a plain holds."""
+    if c.verdict == HOLDS:
+        c.verdict = CONDITIONAL
+
+
 def from_checks(checks: dict[str, bool]) -> tuple[str, list[str]]:
     """(verdict, labels of the checks that agree) over checks of one claim on several
     scenarios or parts: all agree -> holds, some -> holds only under stated conditions

@@ -1,6 +1,6 @@
 """Every verdict every claim C1-C16 can reach, from given numbers (no backend runs): the
 claims ledger's ``judge_cN`` functions (experiments/claims.py, claims_memory.py,
-claims_comm.py) turn a claim's numbers into its verdict, conditions and reason, so no
+claims_sync.py, claims_traffic.py) turn a claim's numbers into its verdict, conditions and reason, so no
 machine's noise can lead the ledger into code no test has run. Also the noise-aware
 rule (C10), C9's and C16's rules and C2's page budget."""
 
