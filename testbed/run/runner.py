@@ -7,6 +7,7 @@ from pathlib import Path
 
 from testbed.core.errors import ScenarioError
 from testbed.run.backend import RunResult, get_backend
+from testbed.run.features import check_features
 from testbed.run.guards import check_size
 from testbed.run.results import StepRecord, summarize, throughput
 from testbed.run.sources import describe_sources
@@ -55,6 +56,7 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
         if not takes_run_dir:
             raise ScenarioError("--resume", str(resume), f"the {backend} backend keeps no checkpoints to resume from")
         check_resumable(resume, scenario)
+    check_features(scenario, backend)
     check_size(scenario, backend, force=force)
     if hasattr(impl, "check"):
         impl.check(scenario, resume=resume, force=force)

@@ -124,6 +124,10 @@ class Scenario:
             raise ScenarioError("parallelism.ep_size", p.ep_size, f"does not divide model.num_experts = {m.num_experts}")
         if self.run.warmup_steps >= self.run.steps:
             raise ScenarioError("run.warmup_steps", self.run.warmup_steps, f"leaves no measured step of run.steps = {self.run.steps}")
+        for key in ("preset", "config"):
+            if getattr(m, key):
+                raise ScenarioError(f"model.{key}", getattr(m, key), "model presets and config.json import are "
+                                    "not available yet (docs/models.md)")
         h = self.heat
         if h.alpha + h.beta + h.gamma <= 0:
             raise ScenarioError("heat.alpha", h.alpha, "heat weights alpha, beta, gamma are all zero")

@@ -16,7 +16,9 @@ from testbed.core.checks import between, fraction, non_negative, percentile, pos
 from testbed.scenario.fields import doc
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical")
+TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical", "deepep")
+FFN_ACTIVATIONS = ("gelu", "swiglu")
+ATTENTIONS = ("gqa", "mla")
 EXPERT_SYNC_STRATEGIES = ("allreduce", "two_stage")
 PLACEMENTS = ("topology", "strided", "random")
 
@@ -26,20 +28,49 @@ class ModelConfig:
     """The MoE layer stack (only the MoE layers are modelled)."""
 
     hidden_size: int = doc("H: model (hidden) dimension", 64, check=positive)
-    ffn_hidden_size: int = doc("F: each expert's FFN inner dimension (two matrices H x F, F x H)", 128, check=positive)
+    ffn_hidden_size: int = doc("F: each routed expert's FFN inner dimension (model.ffn_activation's matrices of H x F)", 128, check=positive)
     num_layers: int = doc("MoE layers in the stack", 2, check=positive)
     num_experts: int = doc("E: experts per MoE layer", 8, check=positive)
     top_k: int = doc("experts each token is routed to", 2, check=positive)
     dtype: str = doc("dtype of weights, activations and payloads", "fp32", choices=tuple(DTYPE_BYTES))
+    ffn_activation: str = doc("the FFN of experts and dense layers: gelu (two matrices, H x F and F x H) or swiglu "
+                              "(gate and up H x F, down F x H: Shazeer 2020, 'GLU Variants Improve Transformer')",
+                              "gelu", choices=FFN_ACTIVATIONS)
+    shared_experts: int = doc("experts every token goes through besides its routed top-k, on the rank it sits on "
+                              "(DeepSeek-V3: 1; Qwen2-57B-A14B: 1); their compute can overlap the dispatch", 0,
+                              check=non_negative)
+    shared_ffn_hidden_size: int = doc("inner dimension of one shared expert; 0 = model.ffn_hidden_size", 0,
+                                      check=non_negative)
+    shared_expert_gate: bool = doc("a sigmoid gate (an H x 1 matrix) scales the shared experts' output "
+                                   "(Qwen2-MoE's shared_expert_gate)", False)
+    gemm_dtype: str = doc("dtype the GEMMs compute in: model (model.dtype) or fp8 (weights and inputs cast to fp8 "
+                          "before each GEMM, with model.fp8_scaling)", "model", choices=("model", "fp8"))
+    fp8_scaling: str = doc("fp8 GEMMs' scaling: blockwise (a scale per 128 x 128 block of weights and per 1 x 128 "
+                           "of activations, DeepSeek-V3 §3.3.2) or tensor (one per tensor, Transformer Engine's "
+                           "delayed scaling)", "blockwise", choices=("blockwise", "tensor"))
+    preset: str = doc("a shipped model (configs/models/NAME.toml: testbed model --list); its fields fill "
+                      "[model], [transformer] and [router] where the scenario leaves them out", "")
+    config: str = doc("a Hugging Face config.json of a supported family (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                      "DeepSeek-V2/V3, gpt-oss, OLMoE), read as a preset is", "")
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def ffn_matrices(self) -> int:
+        """Matrices of one FFN: 2 (gelu) or 3 (swiglu)."""
+        return 3 if self.ffn_activation == "swiglu" else 2
+
+    @property
     def expert_params(self) -> int:
-        """Parameters of one expert: w1 (H x F) and w2 (F x H), no biases."""
-        return 2 * self.hidden_size * self.ffn_hidden_size
+        """Parameters of one routed expert: ``ffn_matrices`` matrices of H x F, no biases."""
+        return self.ffn_matrices * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def shared_ffn(self) -> int:
+        """Inner dimension of one shared expert."""
+        return self.shared_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def expert_bytes(self) -> int:
@@ -69,6 +100,29 @@ class TransformerConfig:
     adam_beta2: float = doc("adam: decay of the second moment", 0.95, check=between(0, 0.9999))
     adam_eps: float = doc("adam: added to the second moment's root", 1e-8, check=positive)
     adam_weight_decay: float = doc("adam: decoupled weight decay per step (AdamW; 0 = Adam)", 0.0, check=non_negative)
+    first_dense_layers: int = doc("dense-FFN layers before the first MoE layer, besides those of moe_every "
+                                  "(DeepSeek-V3: 3, HF first_k_dense_replace)", 0, check=non_negative)
+    head_dim: int = doc("dimension of one attention head; 0 = model.hidden_size / num_heads (Qwen3: 128 with H "
+                        "4096 and 64 heads)", 0, check=non_negative)
+    attention: str = doc("gqa (grouped-query attention) or mla (multi-head latent attention, DeepSeek-V2 §2.1: "
+                         "q and kv through low-rank latents, a decoupled RoPE key)", "gqa", choices=ATTENTIONS)
+    q_lora_rank: int = doc("mla: rank of the query's latent; 0 = queries projected from the hidden state "
+                           "(DeepSeek-V2-Lite)", 0, check=non_negative)
+    kv_lora_rank: int = doc("mla: rank of the key-value latent (DeepSeek-V3: 512)", 512, check=positive)
+    qk_rope_head_dim: int = doc("mla: per-head dimension of the decoupled RoPE query and key (DeepSeek-V3: 64)",
+                                64, check=positive)
+    qk_nope_head_dim: int = doc("mla: per-head dimension of the query and key without RoPE (DeepSeek-V3: 128)",
+                                128, check=positive)
+    v_head_dim: int = doc("mla: per-head dimension of the values (DeepSeek-V3: 128)", 128, check=positive)
+    sliding_window: int = doc("tokens a sliding-window attention layer looks back (gpt-oss: 128); 0 = every "
+                              "layer attends the whole sequence", 0, check=non_negative)
+    full_attention_every: int = doc("with sliding_window: one layer in this many attends the whole sequence, "
+                                    "the rest the window (gpt-oss: 2, alternating from a sliding first layer)", 2,
+                                    check=positive)
+    attention_sinks: bool = doc("a learned sink logit per head in every attention's softmax (gpt-oss)", False)
+    mtp_layers: int = doc("multi-token-prediction modules after the last layer, each an embedding projection, "
+                          "one transformer layer and the shared head (DeepSeek-V3 §2.2: 1)", 0,
+                          check=non_negative)
     zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); the gradient sum moves the same bytes (reduce-scatter + all-gather as one all-reduce)", 0, check=between(0, 2))
 
     @property
@@ -131,6 +185,23 @@ class RouterConfig:
                             0.0, check=non_negative)
     local_scope: str = doc("where router.local_bias counts an expert as local: node or microcluster", "node",
                            choices=("node", "microcluster"))
+    score: str = doc("gate scores: softmax over all experts (M1), or sigmoid per expert (DeepSeek-V3 §2.1.2)",
+                     "softmax", choices=("softmax", "sigmoid"))
+    normalize_top_k: bool = doc("the k chosen scores rescaled to sum to 1 (M1; HF norm_topk_prob)", True)
+    routed_scaling_factor: float = doc("the routed experts' output scaled by this (DeepSeek-V3: 2.5)", 1.0,
+                                       check=positive)
+    expert_groups: int = doc("group-limited routing: experts in this many contiguous groups (HF n_group; "
+                             "DeepSeek-V3: 8, one per node of its EP group), a token routed inside "
+                             "router.groups_per_token of them only; 0 = none", 0, check=non_negative)
+    groups_per_token: int = doc("group-limited routing: groups a token may use (HF topk_group; DeepSeek-V3 "
+                                "node-limited M = 4, DeepSeek-V2 device-limited M = 3)", 0, check=non_negative)
+    group_score: str = doc("how a group is ranked for a token: top2_sum (the sum of its two highest scores, "
+                           "DeepSeek-V3) or max (its highest, DeepSeek-V2)", "top2_sum", choices=("top2_sum", "max"))
+    bias_update_rate: float = doc("auxiliary-loss-free balancing: each expert's routing bias (added to its score "
+                                  "for the top-k choice only) moves by this against the sign of its load error "
+                                  "every step (DeepSeek-V3 §2.1.2: 0.001); 0 = off", 0.0, check=non_negative)
+    seq_aux_loss_coef: float = doc("alpha of the sequence-wise balance loss (DeepSeek-V3 eq. 17-20: 0.0001); "
+                                   "0 = off", 0.0, check=non_negative)
 
 
 @dataclass
@@ -180,7 +251,13 @@ class HeatConfig:
 class CommConfig:
     """How tokens travel and how replicated experts are synchronised (M5, M7-M10)."""
 
-    token_strategy: str = doc("token exchange: alltoall, allgather, hierarchical", "alltoall", choices=TOKEN_STRATEGIES)
+    token_strategy: str = doc("token exchange: alltoall, allgather, hierarchical, or deepep (a token crosses the "
+                              "network once per destination node, to the GPU on its own rail there, which forwards "
+                              "it over NVLink to its experts' GPUs; the combine in reverse, partial sums reduced on "
+                              "the forwarding GPU: DeepEP's normal kernels)", "alltoall", choices=TOKEN_STRATEGIES)
+    deepep_sms: int = doc("deepep: SMs its kernels hold while they run, taken from the compute that overlaps "
+                          "them in proportion to the profile's compute.sm_count (DeepSeek-V3: 20 of 132)", 20,
+                          check=non_negative)
     expert_sync: str = doc("replicated expert gradient sync: allreduce or two_stage (M9)", "allreduce", choices=EXPERT_SYNC_STRATEGIES)
     group_cache_size: int = doc("M10: active groups (communicators) kept in the LRU cache", 100, check=positive)
     sync_batch_experts: int = doc("M9: experts per all-gather batch, on concurrent streams", 4, check=positive)

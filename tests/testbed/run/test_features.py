@@ -1,0 +1,24 @@
+"""A model feature a backend does not model is refused with its field named, never run as
+if the field were absent (testbed/run/features.py)."""
+
+import pytest
+
+from testbed.core.errors import ScenarioError
+from testbed.run import features
+from testbed.run.runner import run_scenario
+from testbed.scenario.scenario import Scenario
+
+
+def test_every_feature_is_off_by_default():
+    assert features.used_features(Scenario()) == []
+
+
+def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch):
+    s = Scenario().replace(router={"score": "sigmoid"}, run={"output_dir": str(tmp_path)})
+    assert features.used_features(s) == ["router.score"]
+    monkeypatch.setitem(features.SUPPORTED, "sim", set())
+    with pytest.raises(ScenarioError, match=r"router.score = 'sigmoid': the sim backend does not model this yet"):
+        run_scenario(s, "sim")
+    assert not list(tmp_path.iterdir())  # refused before any run folder
+    monkeypatch.setitem(features.SUPPORTED, "sim", {"router.score"})
+    features.check_features(s, "sim")  # modelled: no error
