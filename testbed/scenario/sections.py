@@ -16,7 +16,10 @@ from testbed.core.checks import between, fraction, non_negative, percentile, pos
 from testbed.scenario.fields import doc
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical", "deepep")
+#: the token strategies of the seed's comparisons (M7), which experiments sweep
+TOKEN_STRATEGIES = ("alltoall", "allgather", "hierarchical")
+#: every token exchange a scenario may name: M7's and the DeepEP-style dispatcher
+DISPATCHERS = TOKEN_STRATEGIES + ("deepep",)
 FFN_ACTIVATIONS = ("gelu", "swiglu")
 ATTENTIONS = ("gqa", "mla")
 EXPERT_SYNC_STRATEGIES = ("allreduce", "two_stage")
@@ -254,7 +257,7 @@ class CommConfig:
     token_strategy: str = doc("token exchange: alltoall, allgather, hierarchical, or deepep (a token crosses the "
                               "network once per destination node, to the GPU on its own rail there, which forwards "
                               "it over NVLink to its experts' GPUs; the combine in reverse, partial sums reduced on "
-                              "the forwarding GPU: DeepEP's normal kernels)", "alltoall", choices=TOKEN_STRATEGIES)
+                              "the forwarding GPU: DeepEP's normal kernels)", "alltoall", choices=DISPATCHERS)
     deepep_sms: int = doc("deepep: SMs its kernels hold while they run, taken from the compute that overlaps "
                           "them in proportion to the profile's compute.sm_count (DeepSeek-V3: 20 of 132)", 20,
                           check=non_negative)
