@@ -16,9 +16,12 @@ def test_every_feature_is_off_by_default():
 def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch):
     s = Scenario().replace(router={"score": "sigmoid"}, run={"output_dir": str(tmp_path)})
     assert features.used_features(s) == ["router.score"]
-    monkeypatch.setitem(features.SUPPORTED, "sim", set())
+    monkeypatch.setitem(features.FEATURES, "router.score", features.Feature(features.FEATURES["router.score"].used))
     with pytest.raises(ScenarioError, match=r"router.score = 'sigmoid': the sim backend does not model this yet"):
         run_scenario(s, "sim")
     assert not list(tmp_path.iterdir())  # refused before any run folder
-    monkeypatch.setitem(features.SUPPORTED, "sim", {"router.score"})
+    monkeypatch.setitem(features.FEATURES, "router.score",
+                        features.Feature(features.FEATURES["router.score"].used, sim=True))
     features.check_features(s, "sim")  # modelled: no error
+    with pytest.raises(ScenarioError, match="the real backend does not model this yet"):
+        features.check_features(s, "real")
