@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from testbed.cli.model import add_parser as _add_model
 from testbed.core.errors import ScenarioError, run_as_command
 from testbed.core.units import format_bytes
 from testbed.run.backend import get_tool
@@ -92,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     reg.set_defaults(func=_cmd_regress)
 
     _add_collective(sub)
+    _add_model(sub)
 
     net = sub.add_parser("net", help="the emulated cluster network (real.network = emulated; needs root)")
     net_sub = net.add_subparsers(dest="net_command", required=True)

@@ -4,17 +4,12 @@ parameters, FLOPs, memory per GPU, the pipeline bubble and MFU.
 Both backends and the reports are to draw the whole-model figures from here, so they
 are written once. The formulas and their sources:
 
-- Parameters of a layer: attention Q, K, V, O (H x n d, H x 2 k d, n d x H for n query
-  heads and k KV heads of d = H / n), a dense FFN's two matrices (H x F_d, F_d x H, gelu
-  as the experts' FFN here), an MoE layer's router (H x E) and E experts of 2 H F; norms
-  and biases are left out (under 0.1% of a layer at H >= 1024). Embeddings: V x H, and
-  an output head of V x H unless tied.
-- FLOPs, forward, per token: 2 per multiply-add of every weight the token meets (for an
-  MoE layer: the router and its top-k experts), plus attention's scores and weighted
-  values, 2 x 2 x s x n d per token for a sequence of s tokens, halved for causal masks
-  (flash attention skips the masked blocks). The backward is twice the forward; full
-  recompute adds one forward more. So a dense transformer step is ~6 x parameters x
-  tokens (Kaplan et al. 2020, "Scaling laws for neural language models", §2.1).
+- The transformer's shape, its parameters and forward FLOPs per token, layer by layer
+  (attention: GQA or MLA; SwiGLU or gelu FFNs; routed and shared experts; sliding
+  windows; MTP): ``testbed.policy.transformer_shape`` (``TransformerShape``, re-exported
+  here). A step is 3 x the forward (the backward is twice it); full recompute adds one
+  forward more. So a dense transformer step is ~6 x parameters x tokens (Kaplan et al.
+  2020, "Scaling laws for neural language models", §2.1).
 - Mixed-precision Adam keeps, per parameter, bf16 weights (2 B) and gradients (2 B), and
   fp32 master weights, first and second moments (4 + 4 + 4 B): 16 B (Rajbhandari et al.
   2020, "ZeRO", §3.1, with K = 12). ZeRO stage 1 shards the 12 B of optimizer state over
@@ -35,116 +30,14 @@ are written once. The formulas and their sources:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from testbed.policy.transformer_shape import TransformerShape, attention_core_flops
+
+__all__ = ["ADAM_MIXED_BYTES", "TransformerShape", "activation_bytes_per_layer", "attention_core_flops",
+           "block_grad_bytes", "bubble_fraction", "mfu", "moe_stack_step_flops", "optimizer_bytes_per_param",
+           "shape_of", "zero_shards"]
 
 #: bytes per parameter of mixed-precision Adam: bf16 weight, bf16 gradient, fp32 master, m, v
 ADAM_MIXED_BYTES = {"weight": 2, "grad": 2, "master": 4, "moment1": 4, "moment2": 4}
-
-
-@dataclass(frozen=True)
-class TransformerShape:
-    """One transformer: ``layers`` layers of width ``hidden`` (H); attention of
-    ``heads`` query heads and ``kv_heads`` key/value heads; a dense FFN of ``dense_ffn``
-    (F_d) in the layers that are not MoE; every ``moe_every``-th layer MoE with
-    ``experts`` experts of ``expert_ffn`` (F), ``top_k`` per token (0 experts: dense only);
-    ``vocab`` tokens, the output head tied to the embedding or not."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    dense_ffn: int
-    vocab: int
-    experts: int = 0
-    expert_ffn: int = 0
-    top_k: int = 0
-    moe_every: int = 1
-    tied_embeddings: bool = False
-
-    def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "kv_heads", "vocab"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} = {getattr(self, name)}: must be > 0")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden = {self.hidden} is not a multiple of heads = {self.heads}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads = {self.heads} is not a multiple of kv_heads = {self.kv_heads}")
-        if self.experts and not (0 < self.top_k <= self.experts and self.expert_ffn > 0 and self.moe_every > 0):
-            raise ValueError(f"an MoE shape needs 0 < top_k <= experts, expert_ffn > 0 and moe_every > 0 "
-                             f"(top_k = {self.top_k}, experts = {self.experts}, expert_ffn = {self.expert_ffn}, "
-                             f"moe_every = {self.moe_every})")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def moe_layers(self) -> int:
-        """Layers whose FFN is the MoE one (layers moe_every - 1, 2 moe_every - 1, ...)."""
-        return self.layers // self.moe_every if self.experts else 0
-
-    @property
-    def dense_layers(self) -> int:
-        return self.layers - self.moe_layers
-
-    # ---- parameters -------------------------------------------------------------------------
-    @property
-    def attention_params(self) -> int:
-        """Q, K, V and O of one layer."""
-        h, d = self.hidden, self.head_dim
-        return h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
-
-    @property
-    def dense_ffn_params(self) -> int:
-        return 2 * self.hidden * self.dense_ffn
-
-    @property
-    def moe_params(self) -> int:
-        """One MoE layer's router and all its experts."""
-        return self.hidden * self.experts + self.experts * 2 * self.hidden * self.expert_ffn
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-
-    @property
-    def params(self) -> int:
-        """Every parameter of the model."""
-        return (self.layers * self.attention_params + self.dense_layers * self.dense_ffn_params
-                + self.moe_layers * self.moe_params + self.embedding_params)
-
-    @property
-    def dense_params(self) -> int:
-        """Every parameter besides the experts and routers: attention, dense FFNs, embeddings."""
-        return self.layers * self.attention_params + self.dense_layers * self.dense_ffn_params + self.embedding_params
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token meets: the router and top_k experts of each MoE layer."""
-        moe_active = self.hidden * self.experts + self.top_k * 2 * self.hidden * self.expert_ffn
-        return (self.layers * self.attention_params + self.dense_layers * self.dense_ffn_params
-                + self.moe_layers * moe_active + self.embedding_params)
-
-    # ---- FLOPs ----------------------------------------------------------------------------------
-    def forward_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
-        """FLOPs of one token's forward: 2 per weight it meets (the input embedding is a
-        lookup: none) plus attention's scores and weighted values over ``seq_len``."""
-        # an untied input embedding is a lookup; a tied one is met once, as the output head
-        matmul = 2.0 * (self.active_params - (0 if self.tied_embeddings else self.vocab * self.hidden))
-        return matmul + self.layers * attention_core_flops(1, seq_len, self.heads * self.head_dim, causal)
-
-    def step_flops(self, tokens: int, seq_len: int, recompute: bool = False, causal: bool = True) -> float:
-        """FLOPs of a training step on ``tokens`` tokens: forward, backward (twice the
-        forward) and, with full ``recompute``, one forward more."""
-        return (4.0 if recompute else 3.0) * tokens * self.forward_flops_per_token(seq_len, causal)
-
-
-def attention_core_flops(tokens: int, seq_len: int, width: int, causal: bool = True) -> float:
-    """FLOPs of attention's core (scores and weighted values) in the forward, for ``tokens``
-    tokens attending over sequences of ``seq_len`` with ``width`` = heads x head dim:
-    2 x 2 x seq_len x width per token, halved by a causal mask (flash attention skips the
-    masked blocks)."""
-    return 2.0 * 2.0 * tokens * seq_len * width * (0.5 if causal else 1.0)
 
 
 def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
@@ -206,13 +99,26 @@ def moe_stack_step_flops(hidden: int, ffn: int, experts: int, layers: int, token
 
 
 def shape_of(scenario) -> TransformerShape:
-    """The transformer a scenario describes (``[transformer]``): ``model.num_layers`` MoE
-    layers, each with ``moe_every - 1`` dense layers before it; attention in all."""
-    m, t = scenario.model, scenario.transformer
-    return TransformerShape(layers=m.num_layers * t.moe_every, hidden=m.hidden_size, heads=t.num_heads,
-                            kv_heads=t.kv_heads, dense_ffn=t.dense_ffn_hidden_size or 4 * m.hidden_size,
+    """The transformer a scenario describes (``[transformer]``): ``first_dense_layers``
+    dense layers, then ``model.num_layers`` MoE layers, each with ``moe_every - 1``
+    dense layers before it; attention in all; the fields of the models people train
+    (SwiGLU, shared experts, MLA, sliding windows, MTP, biases) as the scenario sets them."""
+    m, t, r = scenario.model, scenario.transformer, scenario.router
+    return TransformerShape(layers=t.first_dense_layers + m.num_layers * t.moe_every, hidden=m.hidden_size,
+                            heads=t.num_heads, kv_heads=t.kv_heads,
+                            dense_ffn=t.dense_ffn_hidden_size or 4 * m.hidden_size,
                             vocab=t.vocab_size, experts=m.num_experts, expert_ffn=m.ffn_hidden_size, top_k=m.top_k,
-                            moe_every=t.moe_every, tied_embeddings=t.tied_embeddings)
+                            moe_every=t.moe_every, tied_embeddings=t.tied_embeddings,
+                            ffn_matrices=m.ffn_matrices, ffn_bias=m.ffn_bias, shared_experts=m.shared_experts,
+                            shared_ffn=m.shared_ffn, shared_gate=m.shared_expert_gate,
+                            # gpt-oss's router bias; DeepSeek-V3's balancing bias (aux-loss-free, §2.1.2)
+                            router_bias=m.ffn_bias or r.bias_update_rate > 0,
+                            first_dense=t.first_dense_layers, head_size=t.head_dim, attention=t.attention,
+                            q_lora_rank=t.q_lora_rank, kv_lora_rank=t.kv_lora_rank,
+                            qk_nope_head_dim=t.qk_nope_head_dim, qk_rope_head_dim=t.qk_rope_head_dim,
+                            v_head_dim=t.v_head_dim, attention_bias=t.attention_bias,
+                            attention_sinks=t.attention_sinks, sliding_window=t.sliding_window,
+                            full_attention_every=t.full_attention_every, mtp_layers=t.mtp_layers)
 
 
 def block_grad_bytes(scenario, layer: int) -> int:

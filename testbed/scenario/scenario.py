@@ -15,6 +15,8 @@ from typing import Any
 
 from testbed.core.errors import ScenarioError
 from testbed.scenario.fields import build_section, unknown
+from testbed.scenario.presets import fill_model_tables
+from testbed.scenario.router_checks import check_router
 from testbed.scenario.sections import (
     SECTIONS,
     CheckpointConfig,
@@ -77,6 +79,7 @@ class Scenario:
         """Build and validate a scenario from a parsed TOML mapping."""
         if not isinstance(data, dict):
             raise ScenarioError("scenario", data, "expected a table of sections")
+        data = fill_model_tables(data)  # model.preset / model.config: what the scenario states wins
         sections = {}
         for name, value in data.items():
             if name == "notes":
@@ -124,10 +127,6 @@ class Scenario:
             raise ScenarioError("parallelism.ep_size", p.ep_size, f"does not divide model.num_experts = {m.num_experts}")
         if self.run.warmup_steps >= self.run.steps:
             raise ScenarioError("run.warmup_steps", self.run.warmup_steps, f"leaves no measured step of run.steps = {self.run.steps}")
-        for key in ("preset", "config"):
-            if getattr(m, key):
-                raise ScenarioError(f"model.{key}", getattr(m, key), "model presets and config.json import are "
-                                    "not available yet (docs/models.md)")
         h = self.heat
         if h.alpha + h.beta + h.gamma <= 0:
             raise ScenarioError("heat.alpha", h.alpha, "heat weights alpha, beta, gamma are all zero")
@@ -137,8 +136,9 @@ class Scenario:
             raise ScenarioError("pager.page_size_bytes", self.pager.page_size_bytes, f"is not a whole number of {m.dtype} elements")
         if 0 < self.pager.gpu_budget_bytes < self.pager.page_size_bytes:
             raise ScenarioError("pager.gpu_budget_bytes", self.pager.gpu_budget_bytes, "holds less than one page")
-        if self.comm.token_strategy == "hierarchical":
-            Layout(self).check_hierarchical()
+        if self.comm.token_strategy in ("hierarchical", "deepep"):  # both see an EP group as nodes x members
+            Layout(self).check_node_grid(self.comm.token_strategy)
+        check_router(self.router, m.num_experts, m.top_k)
         if self.real.network == "emulated" and self.real.device == "cuda":
             raise ScenarioError("real.network", "emulated", "an emulated cluster carries CPU ranks (gloo); "
                                 "set real.device = cpu or auto")
@@ -158,7 +158,7 @@ class Scenario:
                     raise ScenarioError(name, value, f"is not a multiple of parallelism.tp_size = {p.tp_size}")
         _check_pipeline(self)
         if t.enabled:
-            if m.hidden_size % t.num_heads:
+            if m.hidden_size % t.num_heads and not t.head_dim:  # a head dimension of its own needs no split of H
                 raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")
             if t.num_heads % t.kv_heads:
                 raise ScenarioError("transformer.num_kv_heads", t.num_kv_heads, f"does not divide transformer.num_heads = {t.num_heads}")

@@ -51,6 +51,8 @@ class ModelConfig:
     fp8_scaling: str = doc("fp8 GEMMs' scaling: blockwise (a scale per 128 x 128 block of weights and per 1 x 128 "
                            "of activations, DeepSeek-V3 §3.3.2) or tensor (one per tensor, Transformer Engine's "
                            "delayed scaling)", "blockwise", choices=("blockwise", "tensor"))
+    ffn_bias: bool = doc("a bias on every FFN matrix's output (routed and shared experts, dense layers) and on "
+                         "the router (gpt-oss)", False)
     preset: str = doc("a shipped model (configs/models/NAME.toml: testbed model --list); its fields fill "
                       "[model], [transformer] and [router] where the scenario leaves them out", "")
     config: str = doc("a Hugging Face config.json of a supported family (Mixtral, Qwen2-MoE, Qwen3-MoE, "
@@ -123,6 +125,9 @@ class TransformerConfig:
                                     "the rest the window (gpt-oss: 2, alternating from a sliding first layer)", 2,
                                     check=positive)
     attention_sinks: bool = doc("a learned sink logit per head in every attention's softmax (gpt-oss)", False)
+    attention_bias: str = doc("biases of the attention projections: none, qkv (query, key and value: Qwen2) or "
+                              "all (the output's too: gpt-oss, HF attention_bias)", "none",
+                              choices=("none", "qkv", "all"))
     mtp_layers: int = doc("multi-token-prediction modules after the last layer, each an embedding projection, "
                           "one transformer layer and the shared head (DeepSeek-V3 §2.2: 1)", 0,
                           check=non_negative)
