@@ -9,9 +9,10 @@ kinds at their own intervals (``checkpoint.*_interval``, in completed steps):
   with the controller, so this is the step and torch's global generators.
 - ``optimizer-n-from-p``: what the optimizer step changes besides expert weights (the
   router parameters, the whole transformer's dense weights and its Adam state; plain SGD
-  keeps no moments), the controller's whole state (page
-  table, heat map, group cache, replica freshness; pickled) and, incrementally, the
-  expert pages modified since the previous optimizer checkpoint p (their values at n).
+  keeps no moments), the controller's whole state (page table, heat map, group cache,
+  replica freshness, the routing bias of bias balancing - ``Controller.balance``, which
+  the rank's router reads at each step's start; pickled) and, incrementally, the expert
+  pages modified since the previous optimizer checkpoint p (their values at n).
   The rank adds its own routed counts of steps p .. n-1 (its rows of the run folder's
   routing trace).
 - ``experts-n``: every expert page (a full snapshot).

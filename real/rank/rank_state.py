@@ -30,6 +30,7 @@ from real.paging.paged_store import PagedExpertStore
 from real.rank.clock import StageClock
 from real.rank.dense_model import DenseModel, TensorGroup
 from real.rank.layer import seed_of
+from testbed.policy.balance_losses import sequence_tokens
 from testbed.policy.collectives import ByteLedger
 from testbed.policy.controller import Controller
 from testbed.policy.page_moves import PageMoves, add_reason_counts, page_move_count
@@ -92,6 +93,11 @@ class RankState:
         if s.router.local_bias > 0:
             local = self.layout.local_expert_mask(s.router.local_scope)[self.rank]
             self.local_bias_E = torch.as_tensor(local * s.router.local_bias, dtype=torch.float32, device=self.device)
+        #: tokens per sequence of the router's sequence-wise balance loss
+        self.sequence_tokens = sequence_tokens(s)
+        #: [L, E] this step's auxiliary-loss-free balancing bias of the rank's EP group, on the
+        #: device (``begin_step``); None when bias balancing is off
+        self.balance_bias_LE: torch.Tensor | None = None
         self.router = []
         for layer in range(m.num_layers):
             w, b = initial_router(s.run.seed, layer + self.layer_offset, s)
@@ -183,6 +189,10 @@ class RankState:
     def begin_step(self, step: int) -> None:
         """Fresh per-step counters: gradients, page moves, stall time, bytes."""
         self.controller.begin_step(step, self.free_memory())
+        balance = self.controller.balance  # the bias moved at the last step's end (and restored on resume)
+        if balance is not None:  # one copy to the device a step, not one a layer
+            group = int(self.layout.group_of[self.rank])
+            self.balance_bias_LE = torch.as_tensor(balance.of_group(group), dtype=torch.float32, device=self.device)
         self.grads.clear()
         self.page_moves, self.stall_s = 0, 0.0
         self.moves_by_reason = {}
@@ -190,6 +200,10 @@ class RankState:
         self.comm.ledger = self.ledger
         if self.device.type == "cuda":  # the step's own peak (StepRecord.peak_memory_bytes)
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def balance_bias(self, layer: int) -> torch.Tensor | None:
+        """[E] the routing bias of MoE layer ``layer`` this step (None: bias balancing off)."""
+        return None if self.balance_bias_LE is None else self.balance_bias_LE[layer]
 
     # ---- expert weights ----------------------------------------------------------------------
     def read_weights(self, instance: int, out: torch.Tensor | None = None) -> torch.Tensor:

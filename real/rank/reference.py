@@ -10,14 +10,26 @@ Routing and capacity are written here from the mechanisms' formulas
 mistake there is not made twice:
 
 - M1: logits = x W^T + b (+ M22's local-first bias on the rank's local experts), plus Gumbel noise -log(-log u) (u drawn from the run's
-  per-(step, layer, rank) generator on the ranks' device, clamped to [1e-9, 1 - 1e-9]); softmax at the
-  temperature t(step) = start + min(1, step / steps) (end - start); the top-k experts;
-  their probabilities renormalised to sum to 1.
+  per-(step, layer, rank) generator on the ranks' device, clamped to [1e-9, 1 - 1e-9]); divided by the
+  temperature t(step) = start + min(1, step / steps) (end - start); scores s = softmax of that, or
+  sigmoid of each (``router.score``, DeepSeek-V3 eq. 15).
+- The choice, token by token: the biased scores s_i + b_i (b: the EP group's balancing bias,
+  DeepSeek-V3 eq. 16; 0 without it); with groups, the token's M best groups of E/G contiguous
+  experts by the sum of their two highest biased scores (``top2_sum``) or their highest
+  (``max``); its k experts of highest biased score among those groups' experts.
+- Gating weights: the chosen experts' s_i (unbiased), divided by their sum when
+  ``normalize_top_k``, times ``routed_scaling_factor``.
 - M2: an expert takes at most C = max(1, ceil(T k / E x capacity_factor)) of one rank's
   slots (rounded up to a multiple of the EP size when the scenario pads), its highest
-  probability slots first, an earlier (token, slot) first among equals; factor 0 keeps all.
+  weight slots first, an earlier (token, slot) first among equals; factor 0 keeps all.
 - M3: aux = alpha E sum_i f_i P_i, f_i the share of the rank's slots routed to i (before
-  capacity), P_i the mean probability of i over the rank's tokens.
+  capacity), P_i the mean of s_i / sum_j s_j over the rank's tokens.
+- Sequence-wise balance loss (DeepSeek-V3 eq. 17-20), per sequence of T' tokens (``transformer.seq_len``,
+  else the rank's T): alpha sum_i f_i P_i, f_i = E / (k T') x the sequence's tokens whose k highest
+  *unbiased* scores (over all experts) include i, P_i = the mean of s_i / sum_j s_j; the mean over the
+  rank's sequences, added to the aux loss.
+- Bias balancing (DeepSeek-V3 §2.1.2): after each step, each EP group's bias of expert i in layer l
+  moves by gamma x sign(mean_j load_j - load_i), load = the slots the group's ranks routed there.
 - The layer: h = x + sum over the token's kept slots of p_k gelu(x W1_e) W2_e.
 """
 
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -46,9 +59,12 @@ def capacity_of(scenario: Scenario) -> int | None:
     return math.ceil(c / ep) * ep if s.router.pad_capacity_to_ep and ep > 1 else c
 
 
-def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torch.Generator, local_bias=0.0):
-    """M1-M3 for one rank's tokens: ([(token, slot, expert, probability)] of the kept
-    slots, the aux loss). ``local_bias``: M22's local-first bias per expert (a tensor), or 0."""
+def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torch.Generator, local_bias=0.0,
+                     balance_bias=None):
+    """The routing above for one rank's tokens: ([(token, slot, expert, weight)] of the
+    kept slots, aux loss (M3 + sequence-wise), [E] slots routed to each expert).
+    ``local_bias``: M22's local-first bias per expert (a tensor), or 0. ``balance_bias``:
+    the rank's EP group's balancing bias [E] (float32), or None."""
     r, k = scenario.router, scenario.model.top_k
     tokens, experts = x_TH.shape[0], w_EH.shape[0]
     logits = x_TH.float() @ w_EH.t() + b_E + local_bias
@@ -56,16 +72,33 @@ def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torc
         u = torch.rand((tokens, experts), generator=noise, device=noise.device).cpu().clamp(1e-9, 1 - 1e-9)
         logits = logits - torch.log(-torch.log(u))
     t = r.temperature_start + min(1.0, step / r.temperature_steps) * (r.temperature_end - r.temperature_start)
-    p_TE = torch.softmax(logits / t, dim=-1)
-    top_p, top_e = torch.topk(p_TE, k, dim=-1)
-    p_TK = top_p / top_p.sum(-1, keepdim=True)
-    chosen = top_e.tolist()
+    z = logits / t
+    s_TE = torch.softmax(z, dim=-1) if r.score == "softmax" else torch.sigmoid(z)
+    biased = (s_TE.detach() if balance_bias is None else s_TE.detach() + balance_bias).tolist()
+    groups = r.expert_groups
+    per_group = experts // groups if groups else experts
+    chosen = []
+    for row in biased:
+        allowed = list(range(experts))
+        if groups:
+            tops = [sorted(row[g * per_group:(g + 1) * per_group], reverse=True) for g in range(groups)]
+            rank = [top[0] + top[1] if r.group_score == "top2_sum" else top[0] for top in tops]
+            best = sorted(range(groups), key=lambda g: -rank[g])[:r.groups_per_token]
+            allowed = [e for g in best for e in range(g * per_group, (g + 1) * per_group)]
+        chosen.append(sorted(allowed, key=lambda e: -row[e])[:k])
+    p_TK = s_TE.gather(1, torch.tensor(chosen, dtype=torch.long))
+    if r.normalize_top_k:
+        p_TK = p_TK / p_TK.sum(-1, keepdim=True)
+    p_TK = p_TK * r.routed_scaling_factor
     routed = [0] * experts
     for row in chosen:
         for e in row:
             routed[e] += 1
     f = torch.tensor(routed, dtype=torch.float32) / (tokens * k)
-    aux = r.aux_loss_coef * experts * (f * p_TE.mean(0)).sum()
+    share_TE = s_TE / s_TE.sum(-1, keepdim=True)  # s' (eq. 19); a softmax's already sums to 1
+    aux = r.aux_loss_coef * experts * (f * (s_TE if r.score == "softmax" else share_TE).mean(0)).sum()
+    if r.seq_aux_loss_coef > 0:
+        aux = aux + sequence_loss_by_formula(s_TE, share_TE, scenario)
     cap = capacity_of(scenario)
     by_expert: dict[int, list[tuple[float, int, int]]] = {}
     weights = p_TK.detach().tolist()
@@ -78,7 +111,37 @@ def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torc
         for _, flat, slot in slots[:cap] if cap is not None else slots:
             tok = flat // k
             kept.append((tok, slot, e, p_TK[tok, slot]))
-    return kept, aux
+    return kept, aux, routed
+
+
+def sequence_loss_by_formula(s_TE, share_TE, scenario: Scenario):
+    """DeepSeek-V3 eq. 17-20 (module doc) over one rank's sequences."""
+    r, k = scenario.router, scenario.model.top_k
+    tokens, experts = s_TE.shape
+    length = scenario.transformer.seq_len if scenario.transformer.enabled else tokens
+    scores = s_TE.detach().tolist()
+    total = torch.zeros(())
+    for first in range(0, tokens, length):
+        hits = [0] * experts
+        for row in scores[first:first + length]:
+            for e in sorted(range(experts), key=lambda e: -row[e])[:k]:
+                hits[e] += 1
+        f = torch.tensor(hits, dtype=torch.float32) * experts / (k * length)
+        total = total + (f * share_TE[first:first + length].mean(0)).sum()
+    return r.seq_aux_loss_coef * total / (tokens // length)
+
+
+def update_balance(bias_RLE: np.ndarray, routed_WLE: list, scenario: Scenario) -> None:
+    """Bias balancing after a step (module doc), in place: ``routed_WLE`` every rank's
+    routed counts per layer and expert."""
+    lay = Layout(scenario)
+    rate = scenario.router.bias_update_rate
+    for g in range(lay.replicas):
+        for layer in range(bias_RLE.shape[1]):
+            load = [sum(routed_WLE[w][layer][e] for w in lay.ep_group(g)) for e in range(bias_RLE.shape[2])]
+            mean = sum(load) / len(load)
+            for e, n in enumerate(load):
+                bias_RLE[g, layer, e] += rate * (1.0 if mean > n else -1.0 if mean < n else 0.0)
 
 
 def reference_run(scenario: Scenario, steps: int | None = None, noise_device: str = "cpu") -> list[dict]:
@@ -95,20 +158,29 @@ def reference_run(scenario: Scenario, steps: int | None = None, noise_device: st
     task = SyntheticTask(s)
     lr = s.run.learning_rate
     # M22: router.local_bias on the logits of the experts local to each rank's node (or micro-cluster)
-    local = torch.as_tensor(Layout(s).local_expert_mask(s.router.local_scope) * s.router.local_bias,
+    layout = Layout(s)
+    local = torch.as_tensor(layout.local_expert_mask(s.router.local_scope) * s.router.local_bias,
                             dtype=torch.float32)
+    balancing = s.router.bias_update_rate > 0
+    bias_RLE = np.zeros((layout.replicas, m.num_layers, num_experts))  # every EP group's balancing bias
     out = []
     for step in range(s.run.steps if steps is None else steps):
-        outputs, losses, total = [], [], torch.zeros(())
+        outputs, losses, auxes, total = [], [], [], torch.zeros(())
+        routed_WLE = []
+        bias_used = bias_RLE.copy()
         for rank in range(world):
             x_TH, y_TH = task.batch(step, rank)
             h = x_TH.to(dtype)
             aux_total = torch.zeros(())
+            routed_WLE.append([])
+            group = int(layout.group_of[rank])
             for layer in range(m.num_layers):
                 w_EH, b_E = routers[layer]
-                kept, aux = route_by_formula(h, w_EH, b_E, s, step,
-                                              noise_generator(s.run.seed, step, layer, rank, noise_device),
-                                              local[rank])
+                bias = torch.tensor(bias_RLE[group, layer], dtype=torch.float32) if balancing else None
+                kept, aux, routed = route_by_formula(h, w_EH, b_E, s, step,
+                                                     noise_generator(s.run.seed, step, layer, rank, noise_device),
+                                                     local[rank], bias)
+                routed_WLE[-1].append(routed)
                 moe = [torch.zeros(m.hidden_size, dtype=dtype) for _ in range(h.shape[0])]
                 for tok, _, e, p in kept:
                     w1, w2 = split_flat(experts[layer * num_experts + e], m.hidden_size, m.ffn_hidden_size)
@@ -119,7 +191,10 @@ def reference_run(scenario: Scenario, steps: int | None = None, noise_device: st
             total = total + (task_loss + aux_total) / world
             outputs.append(h.detach())
             losses.append(float(task_loss.detach()))
+            auxes.append(float(aux_total.detach()))
         total.backward()
+        if balancing:
+            update_balance(bias_RLE, routed_WLE, s)
         expert_grads = {i: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for i, p in experts.items()}
         router_grads = [(w.grad.clone(), b.grad.clone()) for w, b in routers]
         with torch.no_grad():  # plain SGD on every parameter
@@ -130,10 +205,13 @@ def reference_run(scenario: Scenario, steps: int | None = None, noise_device: st
         out.append({
             "outputs": outputs,
             "loss": sum(losses) / world,
+            "aux": sum(auxes) / world,  # the balance losses, summed over layers, mean over ranks
             "expert_grads": expert_grads,
             "router_grads": router_grads,
             "experts_after": {i: p.detach().clone() for i, p in experts.items()},
             "router_after": [(w.detach().clone(), b.detach().clone()) for w, b in routers],
+            "routed": np.array(routed_WLE).transpose(1, 0, 2),  # [L, W, E] slots routed (before capacity)
+            "balance_bias": bias_used,  # [R, L, E] the bias the step routed with
         })
     return out
 

@@ -7,7 +7,10 @@ the collective ops of the route / replica-refresh / dispatch / combine stages (M
 M9), and the page moves of the ranks it pages (M12-M16); for each layer, backward, the
 mirrored ops; after the backward, the expert-sync and dense-sync ops with the group-cache
 lookups (M8-M10) and the page moves of the weight update; at the end of the step, the
-heat map update (M18-M20) and the cold / wake / hot page moves it triggers.
+heat map update (M18-M20) and the cold / wake / hot page moves it triggers, and the
+auxiliary-loss-free balancing bias's update from the step's routed counts
+(``router.bias_update_rate``, ``testbed.policy.bias_balance``: the routers read it from
+``balance`` at the next step).
 The answers are the records of ``testbed.policy.step_decisions`` (``LayerForward``,
 ``LayerBackward``, ``SyncPlan``, ``StepEnd``).
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.policy.bias_balance import BiasBalance
 from testbed.policy.capacity import expert_capacity, kept_counts
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.group_cache import CacheEvents, GroupCache
@@ -87,6 +91,10 @@ class Controller:
         self.cache = GroupCache(scenario.comm.group_cache_size)
         self.heat = HeatMap(self.L * self.E, scenario.heat, np.random.default_rng([scenario.run.seed, 0x4EA7]))
         self.step = -1
+        #: the routing bias of every EP group (auxiliary-loss-free balancing), None when off
+        self.balance = (BiasBalance(scenario.router.bias_update_rate, lay.rank_of, self.L, self.E)
+                        if scenario.router.bias_update_rate > 0 else None)
+        self._routed: dict[int, np.ndarray] = {}
         self._kept: dict[int, np.ndarray] = {}
         self._active: dict[int, np.ndarray] = {}
         self._active_before: dict[int, np.ndarray] = {}
@@ -131,6 +139,7 @@ class Controller:
         allocator on a GPU or the backend's model; it sets each pager's reserve."""
         self.step = step
         self._active_before = dict(self._active)  # the last step's users per layer: M14's prediction
+        self._routed.clear()
         self._kept.clear()
         self._active.clear()
         if free_memory and self.pool is not None and self.s.pager.free_memory == "device":
@@ -151,7 +160,7 @@ class Controller:
         n = lay.experts_per_rank
         for j, told in (shard_active or {}).items():
             active[:, j * n:(j + 1) * n] = told
-        self._kept[layer], self._active[layer] = kept, active
+        self._routed[layer], self._kept[layer], self._active[layer] = routed, kept, active
         requests = self.refresh_request_ops(layer)
         refresh_ops, refreshed = self._refresh_stale(layer, active)
         p = self.planner
@@ -331,8 +340,11 @@ class Controller:
         (heat.compute_source = measured) or kept slots (a real rank, told only its group's
         counts, passes its own); None = the kept slots the forward was told (the whole
         cluster on the simulator, or every rank with one replica). The heat all-reduce
-        and probe are the backend's (``set_heat_io``).
+        and probe are the backend's (``set_heat_io``). First, with bias balancing, each
+        EP group's routing bias moves by its step's routed counts (``BiasBalance.update``).
         """
+        if self.balance is not None:  # the bias the next step routes with
+            self.balance.update(np.stack([self._routed[l] for l in range(self.L)]))
         sum_over_ranks, probe = self._heat_io
         kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]

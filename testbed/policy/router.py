@@ -4,11 +4,15 @@ Tensor suffixes: T tokens, H hidden size, E experts, K top-k slots.
 
 Training (M1): logits = x W^T + b; Gumbel noise is added and the result divided by the
 temperature of the step (linear schedule from ``temperature_start`` to
-``temperature_end``); softmax; top-k; the k probabilities renormalised to sum to 1.
-Inference: plain top-k on the logits, softmax over the chosen k.
+``temperature_end``); the gate scores of that (softmax, or sigmoid with ``router.score``);
+the top-k experts - inside the token's groups with group-limited routing, by the scores
+plus the balancing bias with auxiliary-loss-free balancing - and their gating weights
+(the k scores renormalised to sum to 1, times ``router.routed_scaling_factor``):
+``testbed.policy.expert_choice``. Inference: the same without noise, at temperature 1.
 Capacity (M2): each expert keeps at most ``capacity`` of this rank's slots; the drop
-policy picks the kept ones by router probability (highest first) or by position
-(earliest token first). Aux loss (M3, Switch form): alpha * E * sum_i f_i P_i.
+policy picks the kept ones by gating weight (highest first) or by position (earliest
+token first). Balance losses (``testbed.policy.balance_losses``): M3's Switch aux loss,
+alpha E sum_i f_i P_i, and DeepSeek-V3's sequence-wise loss (``router.seq_aux_loss_coef``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from testbed.policy.balance_losses import sequence_balance_loss, switch_aux_loss
+from testbed.policy.expert_choice import choose_experts, gate_scores, gating_weights
 from testbed.scenario.sections import RouterConfig
 
 
@@ -25,11 +31,12 @@ class Routing:
     """The router's decision for T tokens."""
 
     experts_TK: torch.Tensor  # int64 expert of each slot
-    probs_TK: torch.Tensor  # renormalised probability of each slot (differentiable)
+    probs_TK: torch.Tensor  # gating weight of each slot (differentiable; expert_choice.gating_weights)
     keep_TK: torch.Tensor  # bool: the slot survived capacity
-    aux_loss: torch.Tensor  # scalar, already multiplied by aux_loss_coef
+    aux_loss: torch.Tensor  # scalar: both balance losses, each already multiplied by its coefficient
     routed_E: torch.Tensor  # int64 slots routed per expert (before capacity)
     kept_E: torch.Tensor  # int64 slots kept per expert
+    seq_aux_loss: torch.Tensor  # scalar: the sequence-wise part of aux_loss (0 when off)
 
 
 def temperature(cfg: RouterConfig, step: int) -> float:
@@ -47,10 +54,14 @@ def init_router_params(hidden: int, experts: int, cfg: RouterConfig, generator: 
 
 def route(x_TH: torch.Tensor, weight_EH: torch.Tensor, bias_E: torch.Tensor, cfg: RouterConfig,
           top_k: int, capacity: int | None, step: int, noise: torch.Generator | None,
-          training: bool = True, local_bias_E: torch.Tensor | None = None) -> Routing:
+          training: bool = True, local_bias_E: torch.Tensor | None = None,
+          balance_bias_E: torch.Tensor | None = None, sequence_tokens: int | None = None) -> Routing:
     """Route ``x_TH``. ``noise`` seeds the Gumbel noise (required when training with noise).
     ``local_bias_E``: M22's local-first bias, added to the logits (``router.local_bias``
-    on this rank's local experts, 0 elsewhere; not learnt)."""
+    on this rank's local experts, 0 elsewhere; not learnt). ``balance_bias_E``: the
+    auxiliary-loss-free balancing bias of this rank's EP group (``BiasBalance``), added
+    to the scores for the choice only (None: off). ``sequence_tokens``: tokens per
+    sequence of the sequence-wise loss (default: all of ``x_TH``)."""
     num_experts = weight_EH.shape[0]
     logits_TE = x_TH.float() @ weight_EH.t() + bias_E
     if local_bias_E is not None:
@@ -62,20 +73,19 @@ def route(x_TH: torch.Tensor, weight_EH: torch.Tensor, bias_E: torch.Tensor, cfg
             u = torch.rand(logits_TE.shape, generator=noise, device=noise.device)
             u = u.clamp(1e-9, 1 - 1e-9)
             logits_TE = logits_TE - torch.log(-torch.log(u))
-        probs_TE = torch.softmax(logits_TE / temperature(cfg, step), dim=-1)
-        top_p, experts_TK = torch.topk(probs_TE, top_k, dim=-1)
-        probs_TK = top_p / top_p.sum(-1, keepdim=True)
-    else:
-        top_logits, experts_TK = torch.topk(logits_TE, top_k, dim=-1)
-        probs_TK = torch.softmax(top_logits, dim=-1)
-        probs_TE = torch.softmax(logits_TE, dim=-1)
+        logits_TE = logits_TE / temperature(cfg, step)
+    scores_TE = gate_scores(logits_TE, cfg.score)
+    experts_TK = choose_experts(scores_TE, top_k, cfg, balance_bias_E)
+    probs_TK = gating_weights(scores_TE, experts_TK, cfg)
     routed_E = _count(experts_TK, None, num_experts)
-    # M3: f_i = fraction of (token, slot) pairs on expert i, P_i = mean probability of expert i
-    f_E = routed_E.float() / experts_TK.numel()
-    aux = cfg.aux_loss_coef * num_experts * (f_E * probs_TE.mean(0)).sum()
+    aux = switch_aux_loss(scores_TE, routed_E, experts_TK.numel(), cfg.aux_loss_coef, cfg.score)
+    seq_aux = torch.zeros((), device=aux.device)
+    if cfg.seq_aux_loss_coef > 0:
+        seq_aux = sequence_balance_loss(scores_TE, top_k, cfg.seq_aux_loss_coef, sequence_tokens or x_TH.shape[0])
+        aux = aux + seq_aux
     keep_TK = capacity_mask(experts_TK, probs_TK.detach(), capacity, cfg.drop_policy, num_experts)
     kept_E = _count(experts_TK, keep_TK, num_experts)
-    return Routing(experts_TK, probs_TK, keep_TK, aux, routed_E, kept_E)
+    return Routing(experts_TK, probs_TK, keep_TK, aux, routed_E, kept_E, seq_aux)
 
 
 def _count(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, num_experts: int) -> torch.Tensor:

@@ -10,13 +10,16 @@ process can compute any step and gets the same numbers.
 
 The simulator draws routed counts from this; the real backend draws each rank's token
 *clusters* from it (one cluster per expert), so real routing is skewed the same way
-once the router has learnt the clusters.
+once the router has learnt the clusters. With a group limit or bias balancing
+(``router.expert_groups``, ``router.bias_update_rate``) the counts come instead from
+per-token scores routed by the router's own choice (``testbed.policy.scored_routing``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from testbed.policy.router_config import routes_by_scores
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 
@@ -38,6 +41,12 @@ class SyntheticWorkload:
         self.local_bias = scenario.router.local_bias
         #: [W, E] experts local to each rank (M22's local-first bias)
         self.local = Layout(scenario).local_expert_mask(scenario.router.local_scope) if self.local_bias else None
+        #: per-token routing, when the router's choice needs scores (module doc)
+        self.scored = None
+        if routes_by_scores(scenario):
+            from testbed.policy.scored_routing import ScoredRouting  # torch, only when needed
+
+            self.scored = ScoredRouting(scenario, self.routing_popularity)
         self._reset()
 
     def _reset(self) -> None:
@@ -89,8 +98,11 @@ class SyntheticWorkload:
 
         Each rank routes ``tokens * top_k`` slots; no expert gets more than ``tokens``
         slots from one rank (a token picks distinct experts): excess slots are
-        re-drawn among experts with room.
+        re-drawn among experts with room. With a group limit or bias balancing: token
+        by token (``ScoredRouting``).
         """
+        if self.scored is not None:
+            return self.scored.routed_counts(step)
         p = self.routing_popularity(step)
         rng = np.random.default_rng([self.seed, step, 0xC0DE])
         counts = rng.multinomial(self.tokens * self.top_k, p)
