@@ -158,7 +158,8 @@ class RealBackend:
             return RunResult(scenario, [], extra={"device": device})
         routing = None
         if payload["routing"] is not None:
-            routing = RoutingTrace(payload["routing"], scenario.workload.tokens_per_rank, scenario.model.top_k)
+            routing = RoutingTrace(payload["routing"], scenario.workload.tokens_per_rank, scenario.model.top_k,
+                                   fanout=payload.get("fanout"))
         extra = {"device": device, "group_create_s": payload["group_create_s"],
                  "group_create_bytes": payload.get("group_create_bytes", 0),
                  "launcher": "spawn" if env is None else "torchrun",

@@ -34,6 +34,7 @@ from sim.step.phases import StepDecisions
 from sim.step.probe import ModelledProbe
 from sim.step.schedule import WarmStart, copy_timer, run_analytic
 from sim.step.step_report import figures, trace_events
+from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
 from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
 from testbed.policy.controller import Controller
@@ -53,11 +54,17 @@ TRACE_RANKS = 16  # GPUs shown in the Chrome trace
 
 
 def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memory=None,
-                probe: ModelledProbe | None = None) -> StepDecisions:
-    """Drive the controller through one step in the order the real backend does."""
+                probe: ModelledProbe | None = None, fanout: np.ndarray | None = None) -> StepDecisions:
+    """Drive the controller through one step in the order the real backend does.
+    ``fanout`` [L, W, P + A] (deepep, a replayed real run's): what each layer's route
+    stage shared, told to the planner before the layer (None: modelled from the counts)."""
     controller.begin_step(step, free_memory)
     controller.set_heat_io(None, probe)
-    forward = [controller.forward_layer(layer, routed[layer]) for layer in range(controller.L)]
+    forward = []
+    for layer in range(controller.L):
+        if fanout is not None:
+            controller.planner.tell_fanout(layer, fanout[layer])
+        forward.append(controller.forward_layer(layer, routed[layer]))
     backward = {layer: controller.backward_layer(layer) for layer in reversed(range(controller.L))}
     sync = controller.sync()
     end = controller.end_step()
@@ -71,6 +78,37 @@ def routing_source(scenario: Scenario):
         trace.check_fits(scenario, scenario.workload.trace)
         return lambda step: trace.routed[step]
     return SyntheticWorkload(scenario).routed_counts
+
+
+def fanout_source(scenario: Scenario):
+    """step -> deepep's fanout [L, W, P + A] of a replayed real run (its trace's
+    ``fanout``), or None: the synthetic workload's, and a trace without one, is modelled
+    from the kept counts (``testbed.policy.deepep.modelled_fanout``)."""
+    if scenario.comm.token_strategy != "deepep" or not scenario.workload.trace:
+        return None
+    fanout = getattr(RoutingTrace.load(scenario.workload.trace), "fanout", None)
+    if fanout is None:
+        return None
+    lay = Layout(scenario)
+    width = lay.ep_size + len(np.unique(lay.node(lay.rank_of[0])))  # P + A of the scenario's grid
+    if fanout.shape[2:] != (scenario.world_size, width):
+        raise ScenarioError("workload.trace", scenario.workload.trace,
+                            f"its deepep fanout is for {fanout.shape[2]} ranks x {fanout.shape[3]} counts, the "
+                            f"scenario's grid needs {scenario.world_size} x {width}")
+    return lambda step: fanout[step]
+
+
+def op_timer(timer: AnalyticTimer, world: int):
+    """``ops -> [W]`` seconds of a batch of concurrent ops on each member, each op alone
+    on the fabric (``AnalyticTimer.stage_loads``, no statistics recorded)."""
+    def seconds(ops) -> np.ndarray:
+        out = np.zeros(world)
+        for op in ops:
+            t = sum(timer.stage_seconds(load) for load in timer.stage_loads(op))
+            m = np.asarray(op.members)
+            out[m] = np.maximum(out[m], t)
+        return out
+    return seconds
 
 
 class ClusterSim:
@@ -99,13 +137,16 @@ class ClusterSim:
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
                                     host_s=stage_host_seconds(profile, s),
                                     copy_time=copy_timer(self.fabric, s.world_size, self.copy_latency),
-                                    scale_fitted=compute_scale_fitted(profile, s.world_size, shared))
+                                    scale_fitted=compute_scale_fitted(profile, s.world_size, shared),
+                                    sm_count=profile.compute.sm_count,
+                                    op_seconds=op_timer(self.timer, s.world_size))
         self.faults = Faults(s, self.fabric)
         self.probe = ModelledProbe(s, self.controller, self.builder.compute, s.sim.expert_kernel)  # M20
         self.clock = 0.0
         self.events = 0  # phase executions per rank + collective ops: the work simulated
         self.fixed_groups = self._fixed_groups()
         self.last_other: np.ndarray | None = None  # [W] non-page bytes at the last step's peak (M15)
+        self.fanout_at = fanout_source(s)  # deepep: a replayed run's fanout per step, or None
 
     def _fixed_groups(self) -> np.ndarray:
         """[W] communicators each rank holds from the start (``Planner.fixed_groups``)."""
@@ -188,7 +229,8 @@ class ClusterSim:
         pages_at_start = self.page_bytes_now()
         carried = self.network.bytes_by_edge.copy()
         messages = self.network.messages_by_edge.copy()
-        decisions = decide_step(self.controller, step, routed, self.free_memory(base), self.probe)
+        decisions = decide_step(self.controller, step, routed, self.free_memory(base), self.probe,
+                                self.fanout_at(step) if self.fanout_at is not None else None)
         phases = self.builder.build(decisions)
         world = self.layout.world
         if self.mode == "analytic":

@@ -11,8 +11,11 @@ controller knows which refreshes this rank sends or receives.
 The token strategies differ only in how kept slots reach the experts and come back:
 ``alltoall`` and ``hierarchical`` move slot rows with one or two all-to-all stages
 (``exchange_plan``), ``allgather`` gathers every token of the EP group with its routing
-metadata and reduce-scatters the weighted partial outputs. Each expert sees its rows in
-the same *expert layout* (expert, source member, token, slot) whatever the strategy.
+metadata and reduce-scatters the weighted partial outputs, ``deepep`` sends each token
+once per node and member it goes to, with its routing metadata, and brings back one
+weighted sum per (token, member), then per (token, node) (``real.comm.deepep``). Each
+expert sees its rows in the same *expert layout* (expert, source member, token, slot)
+whatever the strategy.
 Stage markers in the autograd graph time the backward stages. With FP8 payloads (M22)
 token rows and their gradients travel compressed (``rank_state.codec``); routing
 metadata and probabilities never are (the planner counts them at full width).
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from real.comm.collectives import AllGather, AllToAll, ReduceScatter
+from real.comm.deepep import DeepEPExchange, fanout_row
 from real.comm.exchange_plan import hierarchical_stages, plan_exchange, plan_flat
 from real.comm.micro_batches import Exchange, PipelinedExchange, plan_chunks
 from real.kernels.experts import PagedExpertFFN, combine_slots, source_slots
@@ -54,6 +58,8 @@ class LayerRunner:
 
     def __init__(self, rank_state):
         self.r = rank_state
+        #: deepep: layer -> this rank's fanout [P + A] of its last forward (the routing trace's)
+        self.fanout: dict[int, np.ndarray] = {}
 
     def forward(self, layer: int, x_TH: torch.Tensor, step: int):
         """(h_TH = x + MoE(x), aux loss, the controller's LayerForward)."""
@@ -64,7 +70,8 @@ class LayerRunner:
         w_EH, b_E = r.router[layer]
         routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
                         noise_generator(s.run.seed, step, layer + r.layer_offset, r.rank, r.device),
-                        local_bias_E=r.local_bias_E)
+                        local_bias_E=r.local_bias_E, balance_bias_E=r.balance_bias(layer),
+                        sequence_tokens=r.sequence_tokens)
         probs_TK = mark(routing.probs_TK, clock, "route_backward")
         routed = self._exchange_counts(layer, routing.routed_E)
         clock.switch("paging")
@@ -86,6 +93,8 @@ class LayerRunner:
             return x_TH + out_TH, routing.aux_loss, plan
         if s.comm.token_strategy == "allgather":
             expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens, plan)
+        elif s.comm.token_strategy == "deepep":
+            expert_in, counts_e, combine = self._deepep(layer, x_TH, routing, probs_TK, plan)
         else:
             expert_in, counts_e, combine = self._alltoall(layer, x_TH, plan, slot_idx, probs_TK, tokens)
         clock.switch("experts")
@@ -197,6 +206,31 @@ class LayerRunner:
         r.clock.switch("combine")
         out = combine_slots(back.index_select(0, inverse(send_rows)), slot_idx, probs_TK, tokens)
         return mark(out, r.clock, "combine_backward")
+
+    def _deepep(self, layer, x_TH, routing, probs_TK, plan):
+        """DeepEP's dispatch (``real.comm.deepep``): first the fanout all-gather
+        (``Planner.fanout_ops``: the hops' split sizes), kept in ``fanout`` for the run's
+        routing trace."""
+        r = self.r
+        lay = r.layout
+        g = int(lay.group_of[r.rank])
+        grid = r.planner.grids[g]
+        mine = torch.as_tensor(fanout_row(lay, grid, routing.experts_TK, routing.keep_TK), dtype=torch.int32,
+                               device=x_TH.device)
+        fanout = np.zeros((lay.ep_size, len(mine)), dtype=np.int64)  # EP-index order
+        op = own_op(r.planner.fanout_ops(layer), r.rank, mine)
+        if op is None:  # an EP group of one
+            fanout[0] = mine.cpu().numpy()
+        else:
+            got = r.comm.all_gather(mine, op.members, r.groups.get(op.members))
+            fanout[lay.index_of[list(op.members)]] = got.view(len(op.members), -1).cpu().numpy()
+        self.fanout[layer] = fanout[lay.index_of[r.rank]]
+        ex = DeepEPExchange(r.comm, lay, grid, fanout, r.groups.get, r.codec)
+        expert_in, counts_e, combine = ex.dispatch(x_TH, routing.experts_TK, routing.keep_TK, probs_TK)
+        experts = lay.local_experts(r.rank)
+        if counts_e != plan.kept[list(lay.ep_group(g))][:, experts.start:experts.stop].sum(axis=0).tolist():
+            raise RuntimeError("deepep's rows per expert and the controller's kept counts disagree")  # a testbed bug
+        return expert_in, counts_e, combine
 
     def _allgather(self, layer, x_TH, routing, probs_TK, tokens, plan):
         r = self.r

@@ -78,6 +78,7 @@ class RankRunner:
         self.task = TokenTask(data) if scenario.transformer.enabled else SyntheticTask(data)
         self.world = scenario.world_size
         self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
+        self.fanouts: list[np.ndarray] = []  # deepep: this rank's fanout [L, P + A] per step
         self.trace: list[dict] = []
         self.communicator_bytes = load_profile(scenario.cluster.profile).collectives.communicator_MiB * 2**20
 
@@ -245,6 +246,8 @@ class RankRunner:
             self.trace.append({"name": name, "ph": "X", "pid": self.global_rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         self.routing.append(routed)
+        if self.layers.fanout:  # deepep: what each layer's dispatch shared, for the routing trace
+            self.fanouts.append(np.stack([self.layers.fanout[layer] for layer in range(s.model.num_layers)]))
         states = heat.state_counts() if heat is not None else None
         control.publish(step, local, lead_fields(cache, states))
 
@@ -388,6 +391,8 @@ class RankRunner:
         dist.gather_object(self.trace, events, dst=0)
         routing = [None] * world if lead else None
         dist.gather_object(self.routing, routing, dst=0)
+        fanouts = [None] * world if lead else None
+        dist.gather_object(self.fanouts, fanouts, dst=0)
         captured = [None] * world if lead else None
         if self.capture is not None:
             dist.gather_object(self.capture, captured, dst=0)
@@ -397,6 +402,7 @@ class RankRunner:
         # [S, L, W, E] from every rank's [L, E] per step (pipeline stages: none, each holds its own layers)
         steps = len(self.routing) if self.place is None else 0
         return {"trace": trace, "routing": np.stack([np.stack(r) for r in routing], axis=2) if steps else None,
+                "fanout": np.stack([np.stack(f) for f in fanouts], axis=2) if steps and fanouts[0] else None,
                 "group_create_s": self.st.groups.created_s, "group_create_bytes": self.st.groups.created_bytes,
                 "first_step": self.first_step,
                 "captured": captured if self.capture is not None else None}

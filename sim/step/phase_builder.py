@@ -23,6 +23,15 @@ backward is done, after the step's discovery, which runs there once the forward 
 done; page loads go on the copy stream, overlapping the dispatch, when the profile says
 copies overlap compute (``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``)
 are already in the ops' bytes.
+
+DeepEP's SMs (``comm.token_strategy = "deepep"``): its kernels hold ``comm.deepep_sms``
+of the GPU's ``compute.sm_count`` SMs while they run (DeepSeek-V3 section 3.2.2: 20 of
+132), so compute that runs beside them runs on the rest, at ``1 - f`` of its speed
+(f = deepep_sms / sm_count; ``deepep_slowed``). Beside them means the micro-batched
+exchange (M22): micro-batch j's experts run while the comm stream carries micro-batch
+j-1's combine and j+1's dispatch; in the in-order chain nothing overlaps them. The
+overlap is taken as those ops' time alone on the fabric (``op_seconds``), both starting
+with the experts.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from sim.hardware.compute import ComputeModel
 from sim.hardware.dense_layers import DenseLayers
 from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy, split_op
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
+from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.page_moves import GPU, HOST
@@ -59,13 +69,16 @@ class PhaseBuilder:
                  group_create_s: float, copy_overlap: float, create_on_all_ranks: bool = True,
                  host_s: dict[str, float] | None = None,
                  copy_time: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
-                 scale_fitted: bool = False):
+                 scale_fitted: bool = False, sm_count: int = 0,
+                 op_seconds: Callable[[list[CollectiveOp]], np.ndarray] | None = None):
         """``copy_overlap``: the profile's ``copy.overlap`` (``sim.step.phases``);
         ``copy_time(h2d, d2h, pages)``: [W] seconds of a copy of those bytes and pages on
         each rank's PCIe links, as the executors time it (needed when 0 < copy_overlap < 1);
         ``scale_fitted``: the compute model's contention factor is fitted, not measured at
         this world (``sim.hardware.software_latency.compute_scale_fitted``), so every compute
-        second is."""
+        second is; ``sm_count``: the profile's ``compute.sm_count`` (deepep, module doc);
+        ``op_seconds(ops)``: [W] seconds of a batch of concurrent ops on each member, each
+        op alone on the fabric (needed for deepep's SMs with micro-batches)."""
         self.s, self.layout, self.compute = scenario, layout, compute
         #: stage -> (host seconds per call, host seconds per byte of the stage's work): measured
         self.host_s = host_s or {}
@@ -76,6 +89,11 @@ class PhaseBuilder:
         self.copy_overlap, self.copy_time = float(copy_overlap), copy_time
         self.copies_overlap = copy_overlap > 0  # copies on the copy stream, beside the in-order work
         self.scale_fitted = scale_fitted
+        #: deepep: the share of the SMs its kernels hold (module doc); 0: they slow no compute
+        self.sm_share = deepep_sm_share(scenario, sm_count)
+        if self.sm_share > 0 and scenario.overlap.micro_batches > 1 and op_seconds is None:
+            raise ValueError("deepep's SMs beside micro-batched experts need op_seconds, to time the overlap")
+        self.op_seconds = op_seconds
         m, w = scenario.model, layout.world
         # device bytes of one page slot: a page, or a whole expert smaller than a page (RankPager.slot_bytes)
         self.page_bytes = min(scenario.pager.page_size_bytes, m.expert_bytes)
@@ -416,20 +434,55 @@ class PhaseBuilder:
         start = self.main
         comm_last, x_last = start, start
         b_end = [None] * n
+        b_split = [[split_op(op, n, i) for op in b_ops] for i in range(n)]
+        a_split = [[split_op(op, n, i) for op in a_ops] for i in range(n)]
 
-        def comm(stage, ops, i, extra_dep):
+        def comm(stage, ops, extra_dep):
             nonlocal comm_last
-            for batch in batches([split_op(op, n, i) for op in ops]):
+            for batch in batches(ops):
                 comm_last = self.add(stage, layer, "ops", "comm", (comm_last, extra_dep), ops=batch)
             return comm_last
 
         for i in range(n + 1):
             if i < n:
-                b_end[i] = comm(b_stage, b_ops, i, start)
+                b_end[i] = comm(b_stage, b_split[i], start)
             if i >= 1:
                 j = i - 1
+                seconds = x_seconds / n
+                if self.sm_share > 0:  # beside j-1's combine and j+1's dispatch (module doc)
+                    beside = self.batch_seconds(a_split[j - 1] if j >= 1 else [])
+                    beside = beside + self.batch_seconds(b_split[j + 1] if j + 1 < n else [])
+                    seconds = deepep_slowed(seconds, beside, self.sm_share)
                 x_last = self.add(x_stage, layer, "compute", "compute", (b_end[j], x_last, copy),
-                                  seconds=x_seconds / n, mem_delta=x_mem / n,
+                                  seconds=seconds, mem_delta=x_mem / n,
                                   waits_for_pages=copy if j == 0 else -1, fitted_s=x_fitted / n)
-                comm(a_stage, a_ops, j, x_last)
+                comm(a_stage, a_split[j], x_last)
         self.main = comm_last
+
+    def batch_seconds(self, ops: list[CollectiveOp]) -> np.ndarray:
+        """[W] seconds of ``ops`` on each rank, batch after batch, each op alone."""
+        out = np.zeros(self.layout.world)
+        for batch in batches(ops):
+            out += self.op_seconds(batch)
+        return out
+
+
+def deepep_sm_share(scenario: Scenario, sm_count: int) -> float:
+    """The share f of a GPU's SMs deepep's kernels hold: ``comm.deepep_sms / sm_count``;
+    0 for other token strategies or a profile without SMs (``sm_count`` 0, CPU ranks).
+    ScenarioError when they would hold every SM."""
+    c = scenario.comm
+    if c.token_strategy != "deepep" or sm_count <= 0 or c.deepep_sms == 0:
+        return 0.0
+    if c.deepep_sms >= sm_count:
+        raise ScenarioError("comm.deepep_sms", c.deepep_sms, f"leaves no SM for compute: the profile's "
+                            f"compute.sm_count is {sm_count}")
+    return c.deepep_sms / sm_count
+
+
+def deepep_slowed(seconds: np.ndarray, beside_s: np.ndarray, share: float) -> np.ndarray:
+    """[W] seconds of compute of ``seconds`` (at every SM) that starts with deepep kernels
+    running ``beside_s`` seconds and holding ``share`` f of the SMs: it runs at 1 - f
+    while they run, so it takes ``seconds / (1 - f)`` when it ends first, else
+    ``seconds + f beside_s``: ``seconds + min(seconds f / (1 - f), f beside_s)``."""
+    return seconds + np.minimum(seconds * share / (1.0 - share), share * np.asarray(beside_s, dtype=np.float64))

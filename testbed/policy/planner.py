@@ -16,6 +16,13 @@ experts in the dispatch; every token strategy moves the same slots, in different
   stage 1 inside each node sends member (a,b) -> (a,b') everything bound for column b'
   (S1 = sum over destination node of D), stage 2 across nodes sends (a,b') -> (a',b')
   the aggregate (S2 = sum over source member-in-node of D). Combine runs them reversed.
+- ``deepep`` (DeepEP's normal kernels, ``testbed.policy.deepep``): on the same grid a
+  token crosses to each destination node once, to its rail peer there, which forwards it
+  over NVLink to each member holding one of its experts; the combine brings back one
+  partial sum per (token, member), then per (token, node). Its rows are distinct tokens,
+  not slots: the members' *fanout* (tokens per destination member and node), shared
+  first in the dispatch (an all_gather: DeepEP's notify), told by the backend
+  (``tell_fanout``: a replayed real run's) or modelled from the kept counts.
 
 Expert sync (M8-M9) of replicated experts, per layer:
 - ``allreduce``: one all_reduce of the shard's gradients over its R replicas;
@@ -62,6 +69,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.policy import deepep
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.tensor_parallel_ops import TensorParallelOps
 from testbed.policy.whole_model import block_grad_bytes
@@ -90,6 +98,12 @@ class Planner:
         self.strategy = scenario.comm.token_strategy
         self.grids = ([self.layout.node_grid(g) for g in range(self.layout.replicas)]
                       if self.strategy == "hierarchical" else None)
+        if self.strategy == "deepep":  # the same grid; its error names deepep
+            self.grids = deepep.grids_of(self.layout)
+            self.grid_positions = [deepep.grid_positions(self.layout, grid) for grid in self.grids]
+        #: deepep: layer -> [W, P + A] fanout the backend told (``tell_fanout``); else modelled
+        self._fanout: dict[int, np.ndarray] = {}
+        self._modelled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (kept, its modelled fanout)
         self._tensor_parallel: TensorParallelOps | None = None
 
     # ---- route ----------------------------------------------------------------------------
@@ -151,6 +165,8 @@ class Planner:
             for g in range(lay.replicas):
                 ops += self._allgather_ops(stage, layer, tuple(sorted(lay.ep_group(g))))
             return ops
+        if self.strategy == "deepep":
+            return self._deepep_ops(stage, layer, kept)
         ds = self.dispatch_matrices(kept)
         if self.strategy == "alltoall":
             forward = stage in ("dispatch", "combine_backward")
@@ -166,6 +182,42 @@ class Planner:
         for g in range(lay.replicas):
             ops += self._hierarchical_ops(stage, layer, g, ds[g])
         return ops
+
+    # ---- deepep ------------------------------------------------------------------------------
+    def tell_fanout(self, layer: int, fanout: np.ndarray | None) -> None:
+        """deepep: the fanout [W, P + A] of ``layer``'s kept slots this step (each rank's
+        ``deepep.fanout_of_tokens``, as the route stage shared it), for its token ops
+        until told again; None: model it from the kept counts (``deepep.modelled_fanout``).
+        A replay must keep the traced run's capacity: the fanout counts kept slots."""
+        if fanout is None:
+            self._fanout.pop(layer, None)
+        else:
+            self._fanout[layer] = np.asarray(fanout, dtype=np.int64)
+
+    def fanout(self, layer: int, kept: np.ndarray) -> np.ndarray:
+        """deepep: the told fanout of ``layer``, else the one modelled from ``kept``."""
+        told = self._fanout.get(layer)
+        if told is not None:
+            return told
+        last = self._modelled.get(layer)
+        if last is None or last[0] is not kept:  # the layer's four stages ask for the same counts
+            last = self._modelled[layer] = (kept, deepep.modelled_fanout(kept, self.tokens, self.layout, self.grids))
+        return last[1]
+
+    def _deepep_ops(self, stage: str, layer: int, kept: np.ndarray) -> list[CollectiveOp]:
+        m = self.s.model
+        messages = deepep.row_bytes(stage, self.token_bytes, m.hidden_size * m.dtype_bytes, m.top_k)
+        fan = self.fanout(layer, kept)
+        ops = self.fanout_ops(layer) if stage == "dispatch" else []
+        for g, (grid, pos) in enumerate(zip(self.grids, self.grid_positions)):
+            ops += deepep.deepep_ops(stage, layer, grid, pos, fan[self.layout.rank_of[g]], messages,
+                                     batch=1 if stage == "dispatch" else 0)
+        return ops
+
+    def fanout_ops(self, layer: int) -> list[CollectiveOp]:
+        """deepep: each EP group's all_gather of its members' fanout, batch 0 of the
+        dispatch (``deepep.fanout_op``)."""
+        return [deepep.fanout_op(self.layout, g, layer, grid.shape[0]) for g, grid in enumerate(self.grids)]
 
     def _allgather_ops(self, stage, layer, members):
         p = len(members)
@@ -280,7 +332,7 @@ class Planner:
         """Member sets of the communicators every rank set holds from the start, each once,
         in the order the real backend creates them: the world, the EP groups, the replica
         groups, with tensor parallelism its groups and its shards' peers, and the node /
-        column groups of the hierarchical all-to-all. Sets of one rank need none."""
+        column groups of the hierarchical all-to-all and of deepep. Sets of one rank need none."""
         lay = self.layout
         wanted = [self.world] + [tuple(sorted(lay.ep_group(g))) for g in range(lay.replicas)]
         wanted += [tuple(sorted(lay.replica_group(j))) for j in range(lay.ep_size)]

@@ -50,6 +50,9 @@ class RoutingTrace:
     routed: np.ndarray
     tokens_per_rank: int
     top_k: int
+    #: deepep (comm.token_strategy): fanout[s, l, w] = rank w's kept tokens per destination EP
+    #: member and node (``testbed.policy.deepep``; its bytes depend on tokens, not slots); None otherwise
+    fanout: np.ndarray | None = None
 
     @property
     def steps(self) -> int:
@@ -61,7 +64,10 @@ class RoutingTrace:
                 "shape": ["steps", "layers", "ranks", "experts"]}
         buf = io.BytesIO()  # an .npz as np.savez_compressed writes it, at our compression level
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=COMPRESS_LEVEL) as z:
-            for name, value in (("routed", compact_counts(self.routed)), ("meta", np.array(json.dumps(meta)))):
+            arrays = [("routed", compact_counts(self.routed)), ("meta", np.array(json.dumps(meta)))]
+            if self.fanout is not None:
+                arrays.append(("fanout", compact_counts(self.fanout)))
+            for name, value in arrays:
                 with z.open(f"{name}.npy", "w", force_zip64=True) as f:
                     np.lib.format.write_array(f, value, allow_pickle=False)
         return write_atomic(path, buf.getvalue())
@@ -76,9 +82,10 @@ class RoutingTrace:
             with np.load(path) as data:
                 meta = json.loads(str(data["meta"]))
                 routed = data["routed"].astype(np.int32, copy=False)
+                fanout = data["fanout"].astype(np.int64) if "fanout" in data.files else None
         except (OSError, ValueError, KeyError) as e:
             raise ScenarioError("workload.trace", str(run_dir), f"unreadable routing trace: {e}") from None
-        return cls(routed=routed, tokens_per_rank=meta["tokens_per_rank"], top_k=meta["top_k"])
+        return cls(routed=routed, tokens_per_rank=meta["tokens_per_rank"], top_k=meta["top_k"], fanout=fanout)
 
     def check_fits(self, scenario: Scenario, where: str) -> None:
         """Raise ScenarioError unless the trace covers the scenario's steps, layers, ranks, experts."""

@@ -156,6 +156,11 @@ class ComputeFigures:
     block_half_width: float = _optional_num("M14 page pipelining: the contraction width (elements) at which a GEMM "
                                             "on one page's block of rows runs at half the efficiency it has at full "
                                             "width; an assumption (256) unless measured", 256.0, positive)
+    sm_count: int = _optional_int(
+        "streaming multiprocessors (SMs) of one GPU, count: comm.token_strategy = deepep's kernels hold "
+        "comm.deepep_sms of them while they run, and compute that overlaps them runs on the others; 0 = no SMs to "
+        "take (CPU ranks: the exchange runs on the rank's own thread, beside no kernel), deepep then slows no "
+        "compute; default 0", 0)
     host_cores: float = field(default=0.0, metadata={
         "doc": "CPU backends: cores the ranks of the machine share, rank r pinned to core r % host_cores (the "
                "simulator's flow model shares each core between the ranks computing on it); 0 = every device "

@@ -123,10 +123,11 @@ class Layout:
         return where(holder) == where(np.arange(self.world))[:, None]
 
     # ---- hierarchical all-to-all (M7, Tutel 2DH) -----------------------------------------
-    def node_grid(self, g: int) -> np.ndarray:
+    def node_grid(self, g: int, strategy: str = "hierarchical") -> np.ndarray:
         """EP group ``g`` as a (nodes, members per node) grid of ranks, rows by node.
 
-        Raises ScenarioError when nodes hold different numbers of members.
+        Raises ScenarioError (naming ``strategy``, the token exchange that needs the grid)
+        when nodes hold different numbers of members.
         """
         members = np.array(self.ep_group(g))
         nodes = self.node(members)
@@ -135,11 +136,13 @@ class Layout:
         _, counts = np.unique(nodes, return_counts=True)
         if len(set(counts.tolist())) != 1:
             raise ScenarioError(
-                "comm.token_strategy", "hierarchical",
-                f"EP group {g} has {counts.tolist()} members on its nodes; the two-stage "
-                "all-to-all needs the same number on every node (use placement = topology)")
+                "comm.token_strategy", strategy,
+                f"EP group {g} has {counts.tolist()} members on its nodes; {strategy} needs the same "
+                "number on every node (use placement = topology)")
         return members.reshape(len(counts), counts[0])
 
-    def check_hierarchical(self) -> None:
+    def check_node_grid(self, strategy: str) -> None:
+        """Raise ScenarioError unless every EP group is a grid of nodes x members, as the
+        token exchange ``strategy`` (hierarchical, deepep) needs."""
         for g in range(self.replicas):
-            self.node_grid(g)
+            self.node_grid(g, strategy)
