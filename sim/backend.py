@@ -21,6 +21,7 @@ import simpy
 from sim.hardware.compute import ComputeModel
 from sim.hardware.cores import CorePool
 from sim.hardware.fabric import build_fabric
+from sim.hardware.model_support import check_model_support
 from sim.hardware.software_latency import compute_scale_fitted, stage_host_seconds
 from sim.network.analytic_timer import AnalyticTimer
 from sim.network.collective_model import CollectiveModel
@@ -131,8 +132,10 @@ class ClusterSim:
         self.cores = CorePool(self.env, cores) if cores > 0 and self.mode == "flow" else None
         self.copy_latency = profile.copy.latency_us * 1e-6
         shared = self.cores is not None
-        self.builder = PhaseBuilder(s, self.layout, ComputeModel(profile, s.model.dtype, s.world_size,
-                                                                 shared_cores=shared),
+        check_model_support(s, profile)
+        compute = ComputeModel(profile, s.model.dtype, s.world_size, shared_cores=shared,
+                               gemm_dtype=s.model.gemm_dtype, fp8_scaling=s.model.fp8_scaling)
+        self.builder = PhaseBuilder(s, self.layout, compute,
                                     profile.collectives.group_create_ms * 1e-3, profile.copy.overlap,
                                     create_on_all_ranks=profile.collectives.group_create_scope == "all",
                                     host_s=stage_host_seconds(profile, s),
@@ -177,25 +180,32 @@ class ClusterSim:
         return groups * self.profile.collectives.communicator_MiB * 2**20
 
     def model_state_bytes(self) -> float:
-        """Bytes every GPU holds for the whole transformer's weights besides its experts
-        (attention, dense FFNs, embeddings, routers) and the optimizer's state
-        (``optimizer_state_bytes``); 0 for the MoE stack alone."""
+        """Bytes every GPU holds for the weights besides its expert pages: the shared
+        experts' and the routed experts' biases (``PhaseBuilder.extra_param_bytes``), and
+        for the whole transformer its weights besides its experts (attention, dense FFNs,
+        embeddings, MTP modules, routers) and the optimizer's state
+        (``optimizer_state_bytes``); the MoE stack alone holds only the former."""
+        extra = self.builder.extra_param_bytes
         if not self.s.transformer.enabled:
-            return 0.0
+            return float(extra)
         routers = self.builder.router_grad_bytes * self.s.model.num_layers  # fp32, as their gradients
-        return self.builder.dense.param_bytes + routers + self.optimizer_state_bytes()
+        state = self.builder.dense.param_bytes + routers + self.optimizer_state_bytes()
+        return state + extra if extra else state
 
     def optimizer_state_bytes(self) -> float:
         """Bytes of Adam's state a GPU holds (``transformer.optimizer = adam``):
         ``transformer.optimizer_state_bytes`` per parameter of everything it holds (dense
         weights, routers, its experts), its ZeRO shard (``testbed.policy.whole_model.zero_shards``);
         0 for plain SGD."""
-        t, dense = self.s.transformer, self.builder.dense
+        t, dense, b = self.s.transformer, self.builder.dense, self.builder
         if not t.enabled or t.optimizer != "adam":
             return 0.0
         dense_shard, expert_shard, _, _ = zero_shards(self.s)
-        local = len(self.controller.local_instances(0)) * self.s.model.expert_params
-        return ((dense.dense_params + dense.router_params) / dense_shard + local / expert_shard) * t.optimizer_state_bytes
+        local = len(self.controller.local_instances(0)) * (self.s.model.expert_params + b.expert_bias_params)
+        local += dense.mtp_expert_params  # the MTP modules' routed experts on this GPU (0 without)
+        shared = self.s.model.num_layers * b.shared.params  # whole on every GPU
+        return ((dense.dense_params + dense.router_params + shared) / dense_shard + local / expert_shard) \
+            * t.optimizer_state_bytes
 
     def page_bytes_now(self) -> np.ndarray | None:
         """[W] bytes of the GPU slots holding pages now (None without paging)."""
@@ -249,6 +259,11 @@ class ClusterSim:
 
 class SimBackend:
     name = "sim"
+
+    def check(self, scenario: Scenario, resume=None, force: bool = False) -> None:
+        """What can refuse the run before a folder is written: model features this scenario
+        uses that the simulator cannot model here (``sim.hardware.model_support``)."""
+        check_model_support(scenario, load_profile(scenario.cluster.profile))
 
     def run(self, scenario: Scenario, *, progress: bool = False, on_step=None) -> RunResult:
         wall0 = time.perf_counter()

@@ -11,8 +11,9 @@ runs m micro-batches of ``tokens_per_rank / m`` tokens through the stages:
    timeline gives one micro-batch's forward and backward seconds on the stage's slowest
    GPU, and the tail after the backward (what the gradient sync leaves exposed, the
    optimizer). Every stage is taken to be that one, except that only the last computes
-   the output head and the loss (their seconds come off the others), and each of its v
-   chunks takes 1/v of it.
+   the output head and the loss (and the MTP modules; their seconds come off the
+   others), only the first the dense-first layers (``transformer.first_dense_layers``;
+   theirs come off the others), and each of its v chunks takes 1/v of it.
 2. A micro-batch's activations (and, backward, their gradients: tokens x hidden in
    ``model.dtype`` per GPU) cross each stage boundary as point-to-point sends from every
    GPU to its peer in the next stage, all at once, timed on the whole cluster's network
@@ -27,7 +28,8 @@ heat run once per step), bytes times p (every stage moves its own); the share of
 step from fitted constants, of the whole step (``whole_step_fitted_share``); the memory peak
 holds as many micro-batches' activations as the schedule keeps in flight on stage 0
 (``in_flight / v`` of the stage's). Left out: differences between stages other than
-the head (the embedding's weights are counted on every stage), stages' traffic sharing
+the head and the dense-first layers' seconds (the embedding's weights are counted on every stage, and the
+dense-first layers' weights and activations, those of stage 0, whose memory is reported), stages' traffic sharing
 links with each other, and the sends' own bytes in the byte counts (they are in
 ``extra["pipeline"]``). The network counters (wire bytes, link utilisation, hottest
 links) saw one stage's micro-batch, so a pipelined run reports none.
@@ -119,6 +121,7 @@ class PipelinedStep:
         self.s = scenario
         self.send_s, self.send_bytes = boundary_send_seconds(scenario, profile)
         self.head = (head.head_forward_s, head.head_backward_s)
+        self.first_dense = head.first_dense_s  # (forward, backward) seconds of the dense-first layers
         self.logits_bytes = head.head_activation_bytes
         self.rs_as_ar = reduce_scatter_runs_as_all_reduce(profile)  # gloo: testbed.policy.collectives
 
@@ -129,6 +132,9 @@ class PipelinedStep:
         bwd = np.full((p, v), times.backward_s)
         fwd[:-1] -= self.head[0]  # only the last stage computes the output head and the loss
         bwd[:-1] -= self.head[1]
+        if self.first_dense[0]:  # only the first the dense-first layers
+            fwd[1:] -= self.first_dense[0]
+            bwd[1:] -= self.first_dense[1]
         return run_pipeline(np.maximum(fwd, 0.0) / v, np.maximum(bwd, 0.0) / v, self.send_s, m, v)
 
     def apply(self, record: StepRecord, breakdown: dict, phases: list[Phase], tl, layout) -> tuple[StepRecord, dict]:

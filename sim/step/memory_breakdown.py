@@ -5,16 +5,18 @@ phases' memory annotations use, for the GPU whose simulated memory peaked highes
 
 - ``expert_pages``: the expert weights resident at the step's start (the pager's slots,
   or every local expert unpaged);
-- ``parameters``: the other weights (routers; with the whole transformer attention,
-  dense FFNs and embeddings);
+- ``parameters``: the other weights (routers; the shared experts and the routed experts'
+  biases; with the whole transformer attention, dense FFNs, embeddings and the MTP
+  modules, their routed experts included), and with fp8 GEMMs the fp8 copies of the
+  weights the step computes with (each layer's, held from its forward to its backward);
 - ``gradients``: every gradient the backward makes (the experts that computed, routers,
-  the dense blocks'), held until the optimizer step;
+  shared experts, the dense blocks', the MTP modules'), held until the optimizer step;
 - ``optimizer_state``: Adam's fp32 master weights and moments of everything the GPU holds
   (``transformer.optimizer = adam``), its ZeRO shard (``transformer.zero_stage``), none
   for plain SGD;
 - ``activations``: what every layer's forward keeps for its backward (MoE layers: the
-  input and each expert row's input, pre-activation and output; with the whole
-  transformer also the dense blocks' and the logits);
+  input, each expert row's input, first GEMM's output and output, the shared experts';
+  with the whole transformer also the dense blocks', the MTP modules' and the logits);
 - ``comm_buffers``: the largest send and receive buffers of one batch of concurrent
   collectives (a phase's), of every stage, tensor-parallel ones included;
 - ``communicators``: the communicators it holds (M10), ``collectives.communicator_MiB``
@@ -27,6 +29,7 @@ peak (``peak_memory_bytes``, reached where ``peak_memory_at`` says) from above.
 
 from __future__ import annotations
 
+from sim.hardware.dense_layers import grouped_sum
 from sim.step.phases import StepDecisions
 from testbed.policy.whole_model import block_grad_bytes, zero_shards
 
@@ -39,12 +42,25 @@ def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, floa
     rows = [builder.expert_rows(f) for f in d.forward]
     router_bytes = builder.router_grad_bytes * m.num_layers
     params = router_bytes + (dense.param_bytes if t.enabled else 0.0)
+    shared = builder.shared
+    if builder.extra_param_bytes:
+        params += builder.extra_param_bytes
+    if builder.compute.fp8:  # the fp8 copies, each layer's as its forward made them
+        params += sum(float(builder.fp8_copy_bytes(r)[rank]) for r in rows) + m.num_layers * shared.fp8_copy_bytes
+        if t.enabled:
+            params += sum(h - a for h, a in zip(dense.held_bytes, dense.activation_bytes))
+            params += dense.head_held_bytes - dense.head_activation_bytes
     _, _, dense_shard, expert_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
     activations = sum(float(builder.activation_bytes(r)[rank]) for r in rows)
-    gradients = sum(int((r[rank] > 0).sum()) for r in rows) * m.expert_bytes / expert_shard + router_bytes
+    gradients = sum(int((r[rank] > 0).sum()) for r in rows) * builder.expert_update_bytes / expert_shard + router_bytes
+    if shared.enabled:
+        activations += m.num_layers * shared.activation_bytes
     if t.enabled:
-        activations += m.num_layers * dense.block_activation_bytes + dense.head_activation_bytes
+        activations += grouped_sum(dense.activation_bytes, lambda v: v) + dense.head_activation_bytes
+    if t.enabled or shared.enabled:
         gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers)) / dense_shard
+    if t.enabled and t.mtp_layers:
+        gradients += dense.mtp_expert_grad_bytes + dense.mtp_router_grad_bytes
     # the largest buffers of one collective phase: what the phases hold while their ops run
     buffers = max((float(ph.mem_transient[rank]) for ph in phases if ph.mem_transient is not None), default=0.0)
     return {"expert_pages": float(sim.expert_weight_bytes()[rank]), "parameters": params, "gradients": float(gradients),

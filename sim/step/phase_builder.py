@@ -24,14 +24,24 @@ done; page loads go on the copy stream, overlapping the dispatch, when the profi
 copies overlap compute (``copy.overlap > 0``). FP8 payloads (``comm.payload_dtype``)
 are already in the ops' bytes.
 
+Shared experts (``model.shared_experts``, ``sim.hardware.shared_experts``): every rank
+runs them on its own tokens in each MoE layer (stage ``experts``; ``experts_backward``).
+With ``overlap.shared_experts`` (Megatron-Core's shared-expert overlap) their first GEMM
+and activation run on the compute stream beside the dispatch (issued after the route,
+before the routed experts) and their second beside the combine (after the routed
+experts), the backward the other way round (the second's beside the combine_backward,
+the first's beside the dispatch_backward); with micro-batches beside the first dispatch
+and the last combine. Without it they run in the chain after the combine (backward:
+before the combine_backward), as Megatron-Core's shared experts do without the overlap.
+
 DeepEP's SMs (``comm.token_strategy = "deepep"``): its kernels hold ``comm.deepep_sms``
 of the GPU's ``compute.sm_count`` SMs while they run (DeepSeek-V3 section 3.2.2: 20 of
 132), so compute that runs beside them runs on the rest, at ``1 - f`` of its speed
 (f = deepep_sms / sm_count; ``deepep_slowed``). Beside them means the micro-batched
 exchange (M22): micro-batch j's experts run while the comm stream carries micro-batch
-j-1's combine and j+1's dispatch; in the in-order chain nothing overlaps them. The
-overlap is taken as those ops' time alone on the fabric (``op_seconds``), both starting
-with the experts.
+j-1's combine and j+1's dispatch, and the shared experts beside the dispatch or the
+combine; in the in-order chain nothing else overlaps them. The overlap is taken as those
+ops' time alone on the fabric (``op_seconds``), both starting with the compute.
 """
 
 from __future__ import annotations
@@ -42,15 +52,23 @@ import numpy as np
 
 from sim.hardware.compute import ComputeModel
 from sim.hardware.dense_layers import DenseLayers
+from sim.hardware.shared_experts import SharedExperts
 from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy, split_op
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
 from testbed.policy.collectives import CollectiveOp
+from testbed.policy.fp8_casts import linears_copy_bytes
 from testbed.policy.page_moves import GPU, HOST
 from testbed.policy.pager_pool import MovesByRank
 from testbed.policy.step_decisions import LayerForward, SyncPlan
-from testbed.policy.whole_model import block_grad_bytes, zero_shards
+from testbed.policy.whole_model import (
+    block_grad_bytes,
+    expert_row_elements,
+    moe_layer_shape,
+    shared_expert_grad_bytes,
+    zero_shards,
+)
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 
@@ -60,9 +78,11 @@ class PhaseBuilder:
 
     Memory per GPU (bytes) is annotated on the phases: page slots taken and freed by the
     copies; activations saved by a layer's forward (its input, and per expert row the
-    expert input, pre-activation and output) until its backward is done; expert and
-    router gradients from the backward to the optimizer; send and receive buffers while
-    collectives run. Plain SGD keeps no optimizer state.
+    expert input, first GEMM's output and output: ``expert_row_elements``; the shared
+    experts') until its backward is done, with fp8 GEMMs the fp8 copies of the weights
+    it computed with besides; expert, shared-expert and router gradients from the
+    backward to the optimizer; send and receive buffers while collectives run. Plain SGD
+    keeps no optimizer state.
     """
 
     def __init__(self, scenario: Scenario, layout: Layout, compute: ComputeModel,
@@ -91,8 +111,11 @@ class PhaseBuilder:
         self.scale_fitted = scale_fitted
         #: deepep: the share of the SMs its kernels hold (module doc); 0: they slow no compute
         self.sm_share = deepep_sm_share(scenario, sm_count)
-        if self.sm_share > 0 and scenario.overlap.micro_batches > 1 and op_seconds is None:
-            raise ValueError("deepep's SMs beside micro-batched experts need op_seconds, to time the overlap")
+        #: the shared experts of each MoE layer (sim.hardware.shared_experts), and whether they overlap the exchange
+        self.shared = SharedExperts(scenario, compute)
+        self.shared_overlap = self.shared.enabled and scenario.overlap.shared_experts
+        if self.sm_share > 0 and (scenario.overlap.micro_batches > 1 or self.shared_overlap) and op_seconds is None:
+            raise ValueError("deepep's SMs beside micro-batched or shared experts need op_seconds, to time the overlap")
         self.op_seconds = op_seconds
         m, w = scenario.model, layout.world
         # device bytes of one page slot: a page, or a whole expert smaller than a page (RankPager.slot_bytes)
@@ -102,10 +125,25 @@ class PhaseBuilder:
         self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
         self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
-        self.dense = DenseLayers(scenario, compute)  # the whole transformer's non-MoE work (issue 13)
+        self.dense = DenseLayers(scenario, compute, self.shared)  # the whole transformer's non-MoE work (issue 13)
         self.zero = zero_shards(scenario)  # ZeRO: (dense state, expert state, dense grad, expert grad) shards
-        #: bytes of each layer block's gradients a GPU keeps (its ZeRO-2 shard), whole transformer
+        #: bytes of each layer block's gradients a GPU keeps (its ZeRO-2 shard): the whole transformer's
+        #: dense ones and the shared experts' (freed by the optimizer), the dense ones alone (dense_backward's)
         self.block_grads = [block_grad_bytes(scenario, layer) / self.zero[2] for layer in range(m.num_layers)]
+        self.shared_grads = shared_expert_grad_bytes(scenario) / self.zero[2]
+        self.dense_block_grads = [g - self.shared_grads for g in self.block_grads]
+        moe = moe_layer_shape(scenario)
+        #: a routed expert's parameters outside its pages (``model.ffn_bias``: (matrices - 1) F + H biases)
+        self.expert_bias_params = moe.expert_params - m.expert_params
+        #: bytes of a routed expert's weights, gradient or optimizer update: its pages' and its biases'
+        self.expert_update_bytes = m.expert_bytes + self.expert_bias_params * m.dtype_bytes
+        #: bytes of weights every GPU holds outside the pages besides the routers and the dense ones: the
+        #: shared experts' (whole) and the local routed experts' biases
+        self.extra_param_bytes = m.num_layers * (self.shared.params + self.local.shape[1] * self.expert_bias_params) \
+            * m.dtype_bytes
+        #: fp8 GEMMs: bytes of one routed expert's fp8 weight copies, held from its forward to its backward
+        self.expert_copy_bytes = (float(linears_copy_bytes(moe.ffn_linears(m.ffn_hidden_size), m.fp8_scaling))
+                                  if compute.fp8 else 0.0)
 
     # ---- sizes ------------------------------------------------------------------------------
     def expert_rows(self, fwd: LayerForward) -> np.ndarray:
@@ -117,7 +155,8 @@ class PhaseBuilder:
         """[W] seconds of a layer's experts on each rank: the GEMMs, and reading the weights
         of every expert that computes from its pages (forward, and again in the backward)."""
         m = self.s.model
-        gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward)
+        gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward,
+                                         m.ffn_matrices)
         return gemm + self.page_read_seconds(rows)
 
     def page_read_seconds(self, rows: np.ndarray) -> np.ndarray:
@@ -141,11 +180,17 @@ class PhaseBuilder:
 
     def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
         """[W] bytes an MoE layer's forward keeps for its backward: its input and, per
-        expert row, the expert's input, pre-activation and output (with full recompute,
-        the input only)."""
+        expert row, the expert's input, first GEMM's output and output
+        (``testbed.policy.whole_model.expert_row_elements``; with full recompute, the input
+        only). The shared experts' are ``SharedExperts.activation_bytes``."""
         m = self.s.model
-        per_row = 0 if self.recompute else 2 * m.hidden_size + m.ffn_hidden_size
+        per_row = 0 if self.recompute else expert_row_elements(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices)
         return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
+
+    def fp8_copy_bytes(self, rows: np.ndarray) -> np.ndarray:
+        """[W] bytes of the fp8 weight copies of a layer's routed experts that compute (0
+        without fp8 GEMMs), held from the layer's forward to its backward."""
+        return (rows > 0).sum(axis=1) * self.expert_copy_bytes
 
     def expert_backward_seconds(self, rows: np.ndarray) -> np.ndarray:
         """[W] seconds of a layer's experts' backward (with full recompute, their forward first)."""
@@ -160,7 +205,8 @@ class PhaseBuilder:
         n = s.overlap.micro_batches
         rows = {f.layer: self.expert_rows(f) for f in d.forward}
         act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
-        grads = {layer: (r > 0).sum(axis=1) * m.expert_bytes / self.zero[3] for layer, r in rows.items()}
+        held = {layer: a + self.fp8_copy_bytes(rows[layer]) for layer, a in act.items()}  # with the fp8 copies
+        grads = {layer: (r > 0).sum(axis=1) * self.expert_update_bytes / self.zero[3] for layer, r in rows.items()}
         self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
         tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
         prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
@@ -168,8 +214,8 @@ class PhaseBuilder:
         for f in d.forward:
             if dense.enabled:  # the layer's attention and the dense layers before it
                 self.host("dense", f.layer, tokens)
-                self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.block_forward_s),
-                           mem_delta=np.full(w, dense.block_activation_bytes))
+                self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.forward_s[f.layer]),
+                           mem_delta=np.full(w, dense.held_bytes[f.layer]))
                 for ops in f.dense_ops:  # tensor parallelism, after the compute (not overlapped)
                     self.chain("dense", f.layer, "ops", "comm", ops=ops)
             self.host("route", f.layer, tokens)
@@ -196,15 +242,17 @@ class PhaseBuilder:
                     self.host("paging", f.layer, extra_moved[0] + extra_moved[1])
                     phase = self.copy_phase(f.layer, extra_moved)
                     prefetched = phase if is_prefetch else prefetched
-            self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, act[f.layer], x_fitted),
-                          ("combine", f.combine_ops), n, copy, pipeline=pipe)
+            self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, held[f.layer], x_fitted),
+                          ("combine", f.combine_ops), n, copy, pipeline=pipe,
+                          shared=self.shared_parts(backward=False))
         if dense.enabled:  # the output head and the loss, forward then backward
             self.host("dense", m.num_layers - 1, tokens)
             self.chain("dense", m.num_layers - 1, "compute", "compute", seconds=np.full(w, dense.head_forward_s),
-                       mem_delta=np.full(w, dense.head_activation_bytes))
+                       mem_delta=np.full(w, dense.head_held_bytes))
             self.host("dense_backward", m.num_layers - 1, tokens)
+            mtp_grads = dense.mtp_expert_grad_bytes + dense.mtp_router_grad_bytes  # the MTP modules' own (0 without)
             self.chain("dense_backward", m.num_layers - 1, "compute", "compute",
-                       seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, -dense.head_activation_bytes))
+                       seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, mtp_grads - dense.head_held_bytes))
         sync_phases: list[int] = []
         overlap_sync = s.overlap.sync_with_backward
         creating = self.creation_seconds(d.sync)
@@ -224,14 +272,15 @@ class PhaseBuilder:
             self.exchange(layer, ("combine_backward", b.combine_backward_ops),
                           ("experts_backward", xb_seconds, grads[layer],
                            self.expert_fitted_seconds(rows[layer], xb_seconds, True)),
-                          ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer])
+                          ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer],
+                          shared=self.shared_parts(backward=True))
             self.host("route_backward", layer, tokens)
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
-                       mem_delta=self.router_grad_bytes - act[layer])
+                       mem_delta=self.router_grad_bytes - held[layer])
             if dense.enabled:  # the block's backward: its activations go, its gradients come
                 self.host("dense_backward", layer, tokens)
-                self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.block_backward_s),
-                           mem_delta=np.full(w, self.block_grads[layer] - dense.block_activation_bytes))
+                self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.backward_s[layer]),
+                           mem_delta=np.full(w, self.dense_block_grads[layer] - dense.held_bytes[layer]))
                 for ops in b.dense_ops:
                     self.chain("dense_backward", layer, "ops", "comm", ops=ops)
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
@@ -255,14 +304,16 @@ class PhaseBuilder:
         n_updated = np.zeros(w)  # local expert instances whose weights the step changes
         for r, inst in d.sync.updated.items():
             n_updated[r] = len(inst)
-        updated = n_updated * m.expert_bytes
+        updated = n_updated * self.expert_update_bytes
         self.host("optimizer", -1, updated)
         update = self.compute.page_update_time(n_updated * self.pages_per_expert)  # page by page (fitted)
         opt = self.optimizer_seconds(n_updated) + update
         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
-        if dense.enabled:
+        if dense.enabled or self.shared.enabled:
             all_grads = all_grads + sum(self.block_grads)
+        if dense.enabled and s.transformer.mtp_layers:
+            all_grads = all_grads + dense.mtp_expert_grad_bytes + dense.mtp_router_grad_bytes
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads,
                              fitted_s=update)
         self.host("heat", -1, np.zeros(w))
@@ -284,11 +335,16 @@ class PhaseBuilder:
         parameter the rank holds (its experts, the dense ones) by mixed-precision Adam."""
         m, t = self.s.model, self.s.transformer
         router_bytes = self.router_grad_bytes * m.num_layers
+        shared = m.num_layers * self.shared.params  # whole on every rank
         if not t.enabled or t.optimizer == "sgd":
             dense = self.dense.param_bytes if t.enabled else 0.0
-            return np.array([self.compute.optimizer_time(b + router_bytes + dense) for b in n_updated * m.expert_bytes])
+            if shared:
+                dense += shared * m.dtype_bytes
+            return np.array([self.compute.optimizer_time(b + router_bytes + dense)
+                             for b in n_updated * self.expert_update_bytes])
         dense_shard, expert_shard, _, _ = self.zero  # ZeRO: each rank updates its shard
-        params = n_updated * m.expert_params / expert_shard + (self.dense.dense_params + self.dense.router_params) / dense_shard
+        experts = n_updated * (m.expert_params + self.expert_bias_params) + self.dense.mtp_expert_params
+        params = experts / expert_shard + (self.dense.dense_params + self.dense.router_params + shared) / dense_shard
         return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
 
     def heat_phase(self, layer: int, ops: list[CollectiveOp], probe_s: np.ndarray | None) -> None:
@@ -390,7 +446,7 @@ class PhaseBuilder:
             return None
         wait_rows = np.where(loading, rows, 0)
         blocked = self.expert_seconds(wait_rows, False) * self.compute.block_slowdown(
-            m.hidden_size, m.ffn_hidden_size, self.page_bytes)
+            m.hidden_size, m.ffn_hidden_size, self.page_bytes, m.ffn_matrices)
         ready = np.maximum(x_seconds - self.expert_seconds(wait_rows, False), 0.0)
         tail = np.divide(blocked, loads, out=np.zeros(w), where=loads > 0)
         share = np.divide(1.0, loads, out=np.ones(w), where=loads > 0)  # the first page's share of the moves
@@ -400,14 +456,38 @@ class PhaseBuilder:
                                     pages=pages * (1 - share), mem_delta=np.zeros(w))
         return first, rest, ready + blocked - tail, tail
 
-    def exchange(self, layer, before, experts, after, n, copy, expert_work=None, pipeline=None):
+    def shared_parts(self, backward: bool):
+        """The shared experts' work in a layer's exchange (``exchange``'s ``shared``):
+        ([W] seconds beside the first exchange, [W] seconds beside the second, [W] bytes
+        they leave allocated), or None without shared experts. Forward their activations
+        and fp8 weight copies stay; backward those go and their gradients (ZeRO-2's shard)
+        come."""
+        if not self.shared.enabled:
+            return None
+        w, sh = self.layout.world, self.shared
+        first, second = sh.backward_s if backward else sh.forward_s
+        held = sh.activation_bytes + sh.fp8_copy_bytes
+        mem = self.shared_grads - held if backward else held
+        return np.full(w, first), np.full(w, second), np.full(w, mem)
+
+    def shared_phase(self, stage, layer, deps, seconds, mem, beside_ops) -> int:
+        """A shared-experts phase on the compute stream after ``deps``, beside ``beside_ops``
+        (their SMs taken by deepep's kernels: ``deepep_slowed``)."""
+        if self.sm_share > 0 and beside_ops:
+            seconds = deepep_slowed(seconds, self.batch_seconds(beside_ops), self.sm_share)
+        return self.add(stage, layer, "compute", "compute", deps, seconds=seconds, mem_delta=mem)
+
+    def exchange(self, layer, before, experts, after, n, copy, expert_work=None, pipeline=None, shared=None):
         """Token exchange -> experts -> token exchange, in n micro-batches (M22 when n > 1).
 
         Micro-batch i's experts wait for its first exchange (and the page loads); the comm
         stream runs B1, B2, A1, B3, A2, ... so the exchanges of one micro-batch overlap
         the experts of the previous one. ``experts`` = (stage, seconds [W], bytes the
         experts leave allocated [W], seconds of theirs from fitted constants [W]); each
-        expert phase has that share of its seconds fitted.
+        expert phase has that share of its seconds fitted. ``shared``: the shared experts'
+        work (``shared_parts``), beside the first exchange (its first micro-batch) and the
+        second (its last) with ``overlap.shared_experts``, else in the chain after the
+        second exchange (forward) or before the first (backward).
         """
         (b_stage, b_ops), (x_stage, x_seconds, x_mem, x_fitted), (a_stage, a_ops) = before, experts, after
         w = self.layout.world
@@ -415,6 +495,24 @@ class PhaseBuilder:
         work = x_mem if expert_work is None else expert_work  # the experts' activations
         for stage, size in ((b_stage, buffer_bytes(b_ops, w)), (x_stage, work), (a_stage, buffer_bytes(a_ops, w))):
             self.host(stage, layer, size)  # host work of the three stages, up front
+        backward = x_stage == "experts_backward"
+        beside = shared is not None and self.shared_overlap
+        if shared is not None and not beside and backward:  # the shared experts' backward first, in the chain
+            self.chain(x_stage, layer, "compute", "compute", seconds=shared[0] + shared[1], mem_delta=shared[2])
+        if beside:  # the first part beside the first exchange (its first micro-batch)
+            first_ops = b_ops if n == 1 else [split_op(op, n, 0) for op in b_ops]
+            self.shared_phase(x_stage, layer, (self.main,), shared[0], np.zeros(w), first_ops)
+        self._exchange(layer, b_stage, b_ops, x_stage, x_seconds, x_mem, x_fitted, fitted_share, a_stage, a_ops,
+                       n, copy, pipeline)
+        if beside:  # the second beside the second exchange (its last micro-batch), after the experts
+            last_ops = a_ops if n == 1 else [split_op(op, n, n - 1) for op in a_ops]
+            self.shared_phase(x_stage, layer, (self.x_last,), shared[1], shared[2], last_ops)
+        elif shared is not None and not backward:  # after the combine, in the chain
+            self.chain(x_stage, layer, "compute", "compute", seconds=shared[0] + shared[1], mem_delta=shared[2])
+
+    def _exchange(self, layer, b_stage, b_ops, x_stage, x_seconds, x_mem, x_fitted, fitted_share, a_stage, a_ops,
+                  n, copy, pipeline):
+        """``exchange``'s exchanges and experts; ``x_last``: its last expert phase."""
         if n == 1:
             for batch in batches(b_ops):
                 self.chain(b_stage, layer, "ops", "comm", ops=batch)
@@ -428,6 +526,7 @@ class PhaseBuilder:
             else:
                 self.main = self.add(x_stage, layer, "compute", "compute", (self.main, copy),
                                      seconds=x_seconds, mem_delta=x_mem, waits_for_pages=copy, fitted_s=x_fitted)
+            self.x_last = self.main
             for batch in batches(a_ops):
                 self.chain(a_stage, layer, "ops", "comm", ops=batch)
             return
@@ -457,6 +556,7 @@ class PhaseBuilder:
                                   seconds=seconds, mem_delta=x_mem / n,
                                   waits_for_pages=copy if j == 0 else -1, fitted_s=x_fitted / n)
                 comm(a_stage, a_split[j], x_last)
+        self.x_last = x_last
         self.main = comm_last
 
     def batch_seconds(self, ops: list[CollectiveOp]) -> np.ndarray:

@@ -26,7 +26,8 @@ class ModelledProbe:
         self.rank_seconds = np.zeros(controller.layout.world)  # probing seconds of each GPU since ``take``
         m = scenario.model
         #: seconds of one probe's forward (its weights on the GPU)
-        self.forward_s = compute.expert_time([scenario.heat.probe_tokens], m.hidden_size, m.ffn_hidden_size, kernel)
+        self.forward_s = compute.expert_time([scenario.heat.probe_tokens], m.hidden_size, m.ffn_hidden_size, kernel,
+                                             matrices=m.ffn_matrices)
 
     def answer_s(self, rank: int, instance: int) -> float:
         """Seconds ``rank``'s replica of ``instance`` takes to answer a probe."""

@@ -8,7 +8,7 @@ M9), and the page moves of the ranks it pages (M12-M16); for each layer, backwar
 mirrored ops; after the backward, the expert-sync and dense-sync ops with the group-cache
 lookups (M8-M10) and the page moves of the weight update; at the end of the step, the
 heat map update (M18-M20) and the cold / wake / hot page moves it triggers, and the
-auxiliary-loss-free balancing bias's update from the step's routed counts
+auxiliary-loss-free balancing bias's update from the whole batch's routed counts
 (``router.bias_update_rate``, ``testbed.policy.bias_balance``: the routers read it from
 ``balance`` at the next step).
 The answers are the records of ``testbed.policy.step_decisions`` (``LayerForward``,
@@ -34,7 +34,11 @@ simulator's is told everything and plans, and costs, the same ops):
 - at each heat update (every ``heat.update_interval`` steps): the compute heat of every
   expert instance in the steps since the last one, summed over all ranks (the heat
   all_reduce, run by the backend's ``sum_over_ranks``, ``set_heat_io``), so that every
-  heat map agrees.
+  heat map agrees;
+- once per step with bias balancing and several replicas, beside the discovery: the
+  whole batch's routed counts of every layer (``balance_counts`` summed over each
+  replica group, ``Planner.balance_ops``, passed to ``tell_balance_load``), so that every
+  rank moves the one bias alike.
 
 With one replica the EP group is the world and the route all_gather tells every rank
 everything.
@@ -91,9 +95,11 @@ class Controller:
         self.cache = GroupCache(scenario.comm.group_cache_size)
         self.heat = HeatMap(self.L * self.E, scenario.heat, np.random.default_rng([scenario.run.seed, 0x4EA7]))
         self.step = -1
-        #: the routing bias of every EP group (auxiliary-loss-free balancing), None when off
-        self.balance = (BiasBalance(scenario.router.bias_update_rate, lay.rank_of, self.L, self.E)
+        #: the routing bias [L, E], one for every rank (auxiliary-loss-free balancing), None when off
+        self.balance = (BiasBalance(scenario.router.bias_update_rate, self.L, self.E)
                         if scenario.router.bias_update_rate > 0 else None)
+        #: [L, E] the whole batch's routed counts of the step, as the backend's all-reduce told them
+        self._balance_load: np.ndarray | None = None
         self._routed: dict[int, np.ndarray] = {}
         self._kept: dict[int, np.ndarray] = {}
         self._active: dict[int, np.ndarray] = {}
@@ -142,6 +148,7 @@ class Controller:
         self._routed.clear()
         self._kept.clear()
         self._active.clear()
+        self._balance_load = None
         if free_memory and self.pool is not None and self.s.pager.free_memory == "device":
             self.pool.call("set_free_memory", {int(r): tuple(map(float, v)) for r, v in free_memory.items()
                                                if int(r) in self.pool.row_of})
@@ -276,7 +283,8 @@ class Controller:
             for layer in range(self.L):
                 self._active[layer] = np.asarray(active[layer], dtype=bool)
         two_stage = self.s.comm.expert_sync == "two_stage"
-        expert_ops: list[CollectiveOp] = self.planner.discovery_ops()
+        # the discovery (M10) and the bias counts' all-reduce: once per step, side by side
+        expert_ops: list[CollectiveOp] = self.planner.discovery_ops() + self.planner.balance_ops()
         cache = CacheEvents() if two_stage and self.layout.replicas > 1 else None
         comm_heat = np.zeros(self.L * self.E)
         fresh_before = self.fresh.copy()
@@ -310,6 +318,31 @@ class Controller:
                                         self.pool.call("invalidate", {r: (x,) for r, x in stale.items() if len(x)})])
         return SyncPlan(expert_ops, dense_ops, cache, updated, moves)
 
+    # ---- bias balancing (testbed.policy.bias_balance) ------------------------------------------
+    def balance_counts(self, rank: int) -> np.ndarray:
+        """[L, E] int32: what ``rank`` adds to the step's bias all-reduce
+        (``Planner.balance_ops``, over its replica group): the slots its EP group routed
+        to each expert, which its route all_gathers told it."""
+        members = list(self.layout.ep_group(int(self.layout.group_of[rank])))
+        return np.stack([self._routed[l][members].sum(axis=0) for l in range(self.L)]).astype(np.int32)
+
+    def tell_balance_load(self, load_LE: np.ndarray) -> None:
+        """The bias all-reduce's answer: [L, E] slots the whole batch routed to each expert
+        this step (a real rank's controller, told only its EP group's counts)."""
+        self._balance_load = np.asarray(load_LE, dtype=np.int64)
+
+    def _whole_batch_load(self) -> np.ndarray:
+        """[L, E] the step's load for the bias: as told, else the sum of every rank's counts
+        this controller was told (the simulator's whole cluster; with one replica every
+        rank's, from the route all_gathers). A rank's controller (paging only its own rank)
+        with several replicas must have been told: its counts are only its EP group's."""
+        if self._balance_load is not None:
+            return self._balance_load
+        if self.planner.balance_ops() and len(self.paged_ranks) < self.layout.world:
+            raise RuntimeError("bias balancing: the whole batch's load was not told "
+                               "(tell_balance_load, after the Planner.balance_ops all-reduce)")  # a testbed bug
+        return np.stack([self._routed[l].sum(axis=0) for l in range(self.L)])
+
     def _mark_stale(self, layer: int, groups: list[tuple[int, ...]]) -> None:
         base = layer * self.E
         active = self._active[layer]
@@ -340,11 +373,12 @@ class Controller:
         (heat.compute_source = measured) or kept slots (a real rank, told only its group's
         counts, passes its own); None = the kept slots the forward was told (the whole
         cluster on the simulator, or every rank with one replica). The heat all-reduce
-        and probe are the backend's (``set_heat_io``). First, with bias balancing, each
-        EP group's routing bias moves by its step's routed counts (``BiasBalance.update``).
+        and probe are the backend's (``set_heat_io``). First, with bias balancing, the
+        routing bias moves by the whole batch's routed counts (``BiasBalance.update``,
+        ``tell_balance_load``).
         """
         if self.balance is not None:  # the bias the next step routes with
-            self.balance.update(np.stack([self._routed[l] for l in range(self.L)]))
+            self.balance.update(self._whole_batch_load())
         sum_over_ranks, probe = self._heat_io
         kept = np.stack([self._kept[l] for l in range(self.L)])  # [L, W, E]
         active = np.stack([self._active[l] for l in range(self.L)])  # [L, R, E]

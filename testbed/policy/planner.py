@@ -47,6 +47,10 @@ expert gradients):
   and the communicators it creates must be the same on every rank (``new_group`` is
   called in the same order everywhere), the weight update decides which replicas change
   and which go stale, and memory heat counts the groups that used each expert.
+- ``expert_sync``, bias balancing's counts (once per step with several replicas,
+  ``router.bias_update_rate``, DeepSeek-V3 §2.1.2): an all_reduce within each replica
+  group of every layer's routed counts of the member's EP group (L x E int32), beside
+  the discovery (``balance_ops``: why there, and why the replica groups).
 - ``heat`` (once per heat update, every ``heat.update_interval`` steps, M18): an
   all_reduce of the compute heat per expert instance of the steps since the last update
   (steps x L x E float64: kept slots, or measured kernel seconds), because the heat
@@ -138,6 +142,34 @@ class Planner:
         m = self.s.model
         return [CollectiveOp("all_gather", self.world, "expert_sync", -1, size=packed_bytes(m.num_layers * m.num_experts),
                              label="active experts, all layers (M10 discovery)")]
+
+    def balance_ops(self) -> list[CollectiveOp]:
+        """Bias balancing with several replicas (``router.bias_update_rate``; DeepSeek-V3
+        §2.1.2 balances "the whole batch of each training step"): once per step, the
+        routed counts of every layer (L x E int32) summed so that every rank holds the
+        whole batch's and moves the one bias (``testbed.policy.bias_balance``).
+
+        Over each replica group, not the world: a member contributes its EP group's
+        counts, which the route all_gather already gave it, and a replica group holds one
+        member of every EP group, so each of its sums is the whole batch's. Its P rings of
+        R members send 2 (R-1) x 4 L E bytes each, 2 (W - P) x 4 L E in all, against the
+        world ring's 2 (W-1) x 4 L E, in 2 (R-1) steps instead of 2 (W-1), on
+        communicators every rank holds already (``fixed_groups``).
+
+        Stage ``expert_sync``, layer -1, batch 0, beside the M10 discovery: its counts are
+        the forward's (known once it is done), the bias is needed only at the next step,
+        and that is the once-per-step op slot both backends time (the simulator's phase
+        of the discovery, the real backend's ``GradientSync``); route_backward and the
+        optimizer hold no ops on either, and heat ops run only at heat updates. With one
+        replica the route all_gather told every rank every count: none."""
+        lay = self.layout
+        if self.s.router.bias_update_rate <= 0 or lay.replicas < 2:
+            return []
+        m = self.s.model
+        size = m.num_layers * m.num_experts * COUNT_BYTES
+        return [CollectiveOp("all_reduce", tuple(sorted(lay.replica_group(j))), "expert_sync", -1, size=size,
+                             label=f"routed counts, all layers (bias balancing), replica group {j}")
+                for j in range(lay.ep_size)]
 
     # ---- token exchange ---------------------------------------------------------------------
     def dispatch_matrix(self, kept: np.ndarray, group: int) -> np.ndarray:

@@ -12,12 +12,13 @@ goes through the real router's choice (``testbed.policy.expert_choice``), as fol
   its experts as M4's workload says - the same law as M4's counts (not the same numbers:
   those come from multinomial draws).
 - its scores are ``router.score`` of z (softmax over the experts, or sigmoid); its
-  experts are ``choose_experts`` of them with the bias of the rank's EP group, inside
-  its allowed groups. Assumed: the spread of a trained router's scores is that of this
+  experts are ``choose_experts`` of them with the balancing bias (one for every rank,
+  moved by the whole batch's load: ``testbed.policy.bias_balance``), inside its allowed
+  groups. Assumed: the spread of a trained router's scores is that of this
   Gumbel (scale 1 on the logits); how fast a bias of a given size moves tokens is a
   consequence of that assumption, not a measured property of a router.
 - the bias starts at 0 and, after each step, moves as the controller's does
-  (``BiasBalance.update``) by the counts just drawn: the counts of step s depend on those
+  (``BiasBalance.update``) by the counts just drawn, summed over every rank: the counts of step s depend on those
   of steps 0 .. s-1, so asking for an earlier step than the last replays from step 0.
 
 The Gumbel noise of one rank's tokens in one layer and step comes from a generator seeded
@@ -37,7 +38,6 @@ import torch
 from testbed.policy.bias_balance import BiasBalance
 from testbed.policy.expert_choice import choose_experts, gate_scores
 from testbed.scenario.scenario import Scenario
-from testbed.scenario.topology import Layout
 
 CHUNK_ELEMENTS = 2**22  # token x expert scores routed at once (16 MiB of float32)
 
@@ -53,13 +53,11 @@ class ScoredRouting:
         self.tokens = scenario.workload.tokens_per_rank
         self.top_k = scenario.model.top_k
         self.layers, self.experts = scenario.model.num_layers, scenario.model.num_experts
-        self.layout = Layout(scenario)
         self.rate = self.cfg.bias_update_rate
         self._reset()
 
     def _reset(self) -> None:
-        self.balance = (BiasBalance(self.rate, self.layout.rank_of, self.layers, self.experts)
-                        if self.rate > 0 else None)
+        self.balance = BiasBalance(self.rate, self.layers, self.experts) if self.rate > 0 else None
         self._next = 0  # the step whose bias ``balance`` holds
 
     def routed_counts(self, step: int) -> np.ndarray:
@@ -70,13 +68,13 @@ class ScoredRouting:
             self._reset()
         while True:
             counts = self.draw(self._next, self.balance.bias)
-            self.balance.update(counts)
+            self.balance.update(counts.sum(axis=1))  # the whole batch's load
             self._next += 1
             if self._next > step:
                 return counts
 
-    def draw(self, step: int, bias_RLE: np.ndarray | None) -> np.ndarray:
-        """The counts of ``step`` routed with the bias ``bias_RLE`` [R, L, E] (None: none)."""
+    def draw(self, step: int, bias_LE: np.ndarray | None) -> np.ndarray:
+        """The counts of ``step`` routed with the bias ``bias_LE`` [L, E] (None: none)."""
         log_p = self._log_popularity(step)
         world, e = log_p.shape[1], self.experts
         counts = np.zeros((self.layers, world, e), dtype=np.int32)
@@ -84,24 +82,24 @@ class ScoredRouting:
         for layer in range(self.layers):
             for lo in range(0, world, chunk):
                 ranks = list(range(lo, min(world, lo + chunk)))
-                experts = self.experts_of(step, layer, ranks, bias_RLE, log_p).flatten(1)  # [c, T*K]
+                experts = self.experts_of(step, layer, ranks, bias_LE, log_p).flatten(1)  # [c, T*K]
                 per_rank = torch.zeros((len(ranks), e), dtype=torch.int64).scatter_add_(
                     1, experts, torch.ones_like(experts))
                 counts[layer, lo:lo + len(ranks)] = per_rank.numpy()
         return counts
 
-    def experts_of(self, step: int, layer: int, ranks: list[int], bias_RLE: np.ndarray | None,
+    def experts_of(self, step: int, layer: int, ranks: list[int], bias_LE: np.ndarray | None,
                    log_p: np.ndarray | None = None) -> torch.Tensor:
         """int64 [len(ranks), T, K]: the experts each token of ``ranks`` picks in ``layer``
-        at ``step`` under the bias ``bias_RLE`` [R, L, E] (None: none)."""
+        at ``step`` under the bias ``bias_LE`` [L, E] (None: none)."""
         log_p = self._log_popularity(step) if log_p is None else log_p
         u = torch.from_numpy(np.stack([self._uniform(step, layer, w) for w in ranks]))  # [c, T, E]
         gumbel = -torch.log(-torch.log(u.clamp_min_(np.finfo(np.float32).tiny)))
         z = torch.from_numpy(log_p[layer, ranks].astype(np.float32))[:, None, :] + gumbel
         scores = gate_scores(z, self.cfg.score)
         bias = None
-        if bias_RLE is not None:
-            bias = torch.from_numpy(bias_RLE[self.layout.group_of[ranks], layer][:, None, :])  # [c, 1, E]
+        if bias_LE is not None:
+            bias = torch.from_numpy(bias_LE[layer][None, None, :])  # [1, 1, E]: the same for every rank
         return choose_experts(scores, self.top_k, self.cfg, bias)
 
     def _log_popularity(self, step: int) -> np.ndarray:

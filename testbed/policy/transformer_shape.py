@@ -32,6 +32,10 @@ The formulas and their sources:
   token's embedding, a projection 2H x H, one transformer layer (an MoE one when the
   last layer is) and a norm before the output head; the embedding and head are the
   main model's (shared), run once more per module.
+- The GEMMs' shapes (``attention_linears``, ``ffn_linears``: one per Megatron-Core
+  Linear, SwiGLU's gate and up fused) and the activations a layer keeps per token
+  beyond its input (``attention_activation_elements``, ``mla_up_proj_elements``,
+  ``ffn_activation_elements``), which ``testbed.policy.whole_model`` turns into bytes.
 - FLOPs, forward, per token: 2 per multiply-add of every matrix weight the token meets
   (the input embedding is a lookup: none; biases and norms: none, as Megatron-LM
   counts), plus attention's core: 2 x 2 x keys x n d (QK^T and the weighted values; MLA:
@@ -310,6 +314,64 @@ class TransformerShape:
         return (self.layers * self.attention_params + self.dense_layers * self.dense_ffn_params
                 + self.moe_layers * self.moe_active_params + self.embedding_params
                 + self.mtp_layers * self.mtp_module_active_params)
+
+    # ---- the GEMMs' shapes -------------------------------------------------------------------
+    @property
+    def attention_linears(self) -> list[tuple[int, int]]:
+        """(inputs, outputs) of each of one layer's attention projections, one GEMM each
+        (a Linear layer of Megatron-Core, which casts its own input under fp8): GQA's fused
+        Q, K and V (H x (n + 2 k) d) and O (n d x H); MLA's query down and up projections
+        (or the one query projection without a latent), key-value down (H x (r_kv + d_rope))
+        and up (r_kv x n (d_nope + d_v)), and O (n d_v x H). Their sizes sum to
+        ``attention_matrix_params``."""
+        h, n = self.hidden, self.heads
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = [(h, self.q_lora_rank), (self.q_lora_rank, n * qk)] if self.q_lora_rank else [(h, n * qk)]
+            return q + [(h, self.kv_lora_rank + self.qk_rope_head_dim),
+                        (self.kv_lora_rank, n * (self.qk_nope_head_dim + self.v_head_dim)), (n * self.v_head_dim, h)]
+        d = self.head_dim
+        return [(h, (n + 2 * self.kv_heads) * d), (n * d, h)]
+
+    def ffn_linears(self, inner: int) -> list[tuple[int, int]]:
+        """(inputs, outputs) of one FFN's GEMMs of inner dimension ``inner``: the first
+        (gelu: H x F; SwiGLU: gate and up fused, H x 2F, as Megatron-Core's linear_fc1) and
+        the second (F x H). Their sizes sum to ``ffn_matrices`` x H x F."""
+        return [(self.hidden, (self.ffn_matrices - 1) * inner), (inner, self.hidden)]
+
+    # ---- activations kept for the backward (elements per token) ----------------------------
+    @property
+    def attention_activation_elements(self) -> tuple[int, int]:
+        """Elements per token one layer's attention keeps for its backward beyond its input,
+        as (split over tensor-parallel ranks by heads, whole on each): GQA's Q, K, V and
+        the output projection's input, each counted n d wide (Korthikanti et al.'s 4 H
+        with d = H / n; flash attention keeps K and V at the k key-value heads' k d, which
+        this counts at n d, as the simulator has since issue 13); MLA's Q and K
+        (n (d_nope + d_rope) each), V and the output projection's input (n d_v each),
+        and its latents whole (Megatron-Core's down projections are not split): the query
+        latent before and after its norm (2 r_q), the key-value latent with the RoPE key
+        (r_kv + d_rope) and after its norm (r_kv)."""
+        n = self.heads
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            return 2 * n * qk + 2 * n * self.v_head_dim, 2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim
+        return 4 * n * self.head_dim, 0
+
+    @property
+    def mla_up_proj_elements(self) -> int:
+        """Elements per token of MLA's up projections' outputs, Q, K (n (d_nope + d_rope)
+        each) and V (n d_v), that Megatron-Core's ``--recompute-modules mla_up_proj``
+        recomputes in the backward instead of keeping (from the latents it keeps); 0 for GQA."""
+        if self.attention != "mla":
+            return 0
+        return 2 * self.heads * (self.qk_nope_head_dim + self.qk_rope_head_dim) + self.heads * self.v_head_dim
+
+    def ffn_activation_elements(self, inner: int) -> int:
+        """Elements per token one FFN of inner dimension ``inner`` keeps beyond its input:
+        its first GEMM's output ((matrices - 1) F: Megatron-Core's SwiGLU keeps its 2F
+        input for its backward) and the activation's output (F, the second GEMM's input):
+        matrices x F (gelu at F = 4H: Korthikanti et al.'s 8 H)."""
+        return self.ffn_matrices * inner
 
     # ---- FLOPs -------------------------------------------------------------------------------
     def attention_core_flops_per_token(self, seq_len: int, sliding: bool = False, causal: bool = True) -> float:

@@ -20,6 +20,16 @@ are written once. The formulas and their sources:
   (eq. 5: s b H / t (34 + 5 n s / H)); full recompute keeps only the layer input, 2 s b
   H bytes (/ t with sequence parallelism). Flash attention does not store the n s x s
   scores: the 5 n s / H term is dropped when ``flash`` is set.
+- Activations of a layer of the models people train (``layer_activation_bytes``): the
+  standard layer's above with its attention and dense-FFN terms at the shape's own widths
+  (``TransformerShape.attention_activation_elements``, ``ffn_activation_elements``): a
+  dense layer of F_d keeps s b H (18 + 4 F_d / H) with gelu, Megatron-LM's
+  theoretical_memory_usage formula, and s b H (18 + 6 F_d / H) with SwiGLU, whose first
+  GEMM writes 2 F_d (Megatron-Core's SwiGLU keeps it for its backward); MLA keeps its
+  heads' Q, K, V and output input and its latents, less its up projections' outputs
+  with Megatron-Core's ``--recompute-modules mla_up_proj`` (``mla_up_proj_elements``).
+  An MoE layer's expert rows: ``expert_row_elements``.
+- FP8 GEMMs' casts and weight copies: ``testbed.policy.fp8_casts``.
 - The 1F1B pipeline bubble: (p - 1) / (m + p - 1) of the step for p stages and m
   micro-batches; interleaved with v model chunks per stage, (p - 1) / (v m + p - 1)
   (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters
@@ -33,8 +43,9 @@ from __future__ import annotations
 from testbed.policy.transformer_shape import TransformerShape, attention_core_flops
 
 __all__ = ["ADAM_MIXED_BYTES", "TransformerShape", "activation_bytes_per_layer", "attention_core_flops",
-           "block_grad_bytes", "bubble_fraction", "mfu", "moe_stack_step_flops", "optimizer_bytes_per_param",
-           "shape_of", "zero_shards"]
+           "block_grad_bytes", "bubble_fraction", "expert_row_elements", "layer_activation_bytes", "mfu",
+           "moe_layer_shape", "moe_stack_step_flops", "mtp_dense_params", "optimizer_bytes_per_param", "shape_of",
+           "shared_expert_grad_bytes", "zero_shards"]
 
 #: bytes per parameter of mixed-precision Adam: bf16 weight, bf16 gradient, fp32 master, m, v
 ADAM_MIXED_BYTES = {"weight": 2, "grad": 2, "master": 4, "moment1": 4, "moment2": 4}
@@ -81,6 +92,46 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     return s * b * h * (10.0 + 24.0 / tp + scores / tp)
 
 
+def layer_activation_bytes(shape: TransformerShape, seq_len: int, micro_batch: int, moe: bool, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
+                           recompute_mla_up_proj: bool = False) -> float:
+    """Bytes of activations one layer of ``shape`` keeps for the backward, for one
+    micro-batch of ``micro_batch`` sequences of ``seq_len`` in 16-bit: Korthikanti et
+    al.'s standard layer (``activation_bytes_per_layer``: attention of width H, a gelu FFN
+    of 4 H) with the terms the shape changes taken at its own widths - attention's
+    (``TransformerShape.attention_activation_elements``: head_dim, MLA's tensors and
+    latents; with ``recompute_mla_up_proj`` less MLA's up projections' outputs,
+    ``mla_up_proj_elements``) and, in a dense-FFN layer (``moe`` false), the FFN's
+    (``ffn_activation_elements`` of its F_d: SwiGLU's 3 F_d against gelu's 2 F_d). The
+    standard terms' parts split over ``tp`` ranks stay split, the rest whole (all split
+    with sequence parallelism). An MoE layer keeps the standard layer's FFN term (the
+    simulator's figure since issue 13; the experts' rows are the MoE layer's own,
+    ``expert_row_elements``). With full ``recompute`` only the layer's input."""
+    base = activation_bytes_per_layer(seq_len, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
+                                      recompute, flash)
+    if recompute:
+        return base
+    h = shape.hidden
+    split, whole = shape.attention_activation_elements
+    if recompute_mla_up_proj:
+        split -= shape.mla_up_proj_elements
+    split -= 4 * h  # the standard layer's Q, K, V and output-projection input (Korthikanti's 8 s b h)
+    if not moe:
+        split += shape.ffn_activation_elements(shape.dense_ffn) - 8 * h  # its FFN's 16 s b h
+    if split == 0 and whole == 0:
+        return base
+    tokens = seq_len * micro_batch
+    return base + 2.0 * tokens * ((split + whole) / tp if sequence_parallel else split / tp + whole)
+
+
+def expert_row_elements(hidden: int, ffn: int, ffn_matrices: int = 2) -> int:
+    """Elements an MoE layer keeps for the backward per expert row (a kept (token, expert)
+    slot): the expert's input (H), its first GEMM's output ((matrices - 1) F: gelu's F,
+    SwiGLU's gate and up 2 F, which Megatron-Core's SwiGLU keeps for its backward) and
+    its output (H, for the gate's gradient), as the simulator counts since issue 13."""
+    return 2 * hidden + (ffn_matrices - 1) * ffn
+
+
 def mfu(model_flops: float, step_time_s: float, gpus: int, peak_flops: float) -> float:
     """Model FLOPs utilisation: ``model_flops`` of a step (no recompute) over what
     ``gpus`` GPUs of ``peak_flops`` FLOP/s each could do in ``step_time_s`` seconds."""
@@ -121,23 +172,54 @@ def shape_of(scenario) -> TransformerShape:
                             full_attention_every=t.full_attention_every, mtp_layers=t.mtp_layers)
 
 
+def moe_layer_shape(scenario) -> TransformerShape:
+    """One MoE layer of the scenario as a shape of its own, for the figures of its FFN
+    (routed and shared experts, router) whether or not the whole transformer is modelled:
+    ``shape_of``'s FFN fields, one layer, attention left at one head (not to be read)."""
+    m, r = scenario.model, scenario.router
+    return TransformerShape(layers=1, hidden=m.hidden_size, heads=1, kv_heads=1, dense_ffn=0, vocab=1,
+                            experts=m.num_experts, expert_ffn=m.ffn_hidden_size, top_k=m.top_k,
+                            ffn_matrices=m.ffn_matrices, ffn_bias=m.ffn_bias, shared_experts=m.shared_experts,
+                            shared_ffn=m.shared_ffn, shared_gate=m.shared_expert_gate,
+                            router_bias=m.ffn_bias or r.bias_update_rate > 0)
+
+
+def shared_expert_grad_bytes(scenario) -> int:
+    """Bytes of one MoE layer's shared-expert gradients (and their gate's): whole on every
+    GPU, as their weights (``model.shared_experts``; 0 without)."""
+    m = scenario.model
+    return moe_layer_shape(scenario).shared_expert_params * m.dtype_bytes if m.shared_experts else 0
+
+
+def mtp_dense_params(shape: TransformerShape) -> int:
+    """Parameters of one MTP module besides its norms, routers and routed experts: the
+    projection 2H x H, its layer's attention and its dense FFN or shared experts."""
+    ffn = shape.shared_expert_params if shape.mtp_ffn_is_moe else shape.dense_ffn_params
+    return 2 * shape.hidden * shape.hidden + shape.attention_params + ffn
+
+
 def block_grad_bytes(scenario, layer: int) -> int:
-    """Bytes of the gradients of MoE layer ``layer``'s block besides its router, with the
-    whole transformer (0 without), on one GPU (1/tp of them under tensor parallelism):
-    its attention and dense FFNs, the output head's with the last layer (ready first in
-    the backward) and the input embedding's with layer 0 (ready last; a tied embedding
-    is both, complete there)."""
+    """Bytes of the gradients of MoE layer ``layer``'s block besides its router, on one
+    GPU: with the whole transformer (1/tp of them under tensor parallelism) its attention
+    and dense FFNs, with layer 0 the dense-first layers' (``transformer.first_dense_layers``)
+    and the input embedding's (ready last; a tied embedding is both, complete there), with
+    the last layer the output head's and the MTP modules' (``mtp_dense_params``; ready
+    first in the backward); and the layer's shared experts' (``shared_expert_grad_bytes``,
+    whole, the MoE stack's too). The sum the planner's ``dense_sync`` buckets all-reduce."""
     t, m = scenario.transformer, scenario.model
+    shared = shared_expert_grad_bytes(scenario)
     if not t.enabled:
-        return 0
+        return shared
     shape = shape_of(scenario)
     out = (t.moe_every * shape.attention_params + (t.moe_every - 1) * shape.dense_ffn_params) * m.dtype_bytes
     embedding = t.vocab_size * m.hidden_size * m.dtype_bytes
     if layer == m.num_layers - 1 and not t.tied_embeddings:
         out += embedding
+    if layer == m.num_layers - 1 and t.mtp_layers:
+        out += t.mtp_layers * mtp_dense_params(shape) * m.dtype_bytes
     if layer == 0:
-        out += embedding
-    return out // scenario.parallelism.tp_size  # each tensor-parallel rank holds 1/tp of them
+        out += embedding + t.first_dense_layers * (shape.attention_params + shape.dense_ffn_params) * m.dtype_bytes
+    return out // scenario.parallelism.tp_size + shared  # each tensor-parallel rank holds 1/tp of them
 
 
 def zero_shards(scenario) -> tuple[int, int, int, int]:

@@ -123,6 +123,8 @@ class PeakTflops:
     fp32: float = _num("fp32 ceiling, TFLOP/s")
     bf16: float = _num("bf16 ceiling, TFLOP/s")
     fp16: float = _num("fp16 ceiling, TFLOP/s")
+    fp8: float = _optional_num("fp8 ceiling (model.gemm_dtype = fp8's GEMMs), TFLOP/s; 0 = no fp8 matmul "
+                               "(fp8 GEMMs are refused on such a machine); default 0", 0.0)
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ class ComputeFigures:
                "computes alone", "kind": "float", "check": non_negative, "optional": True})
 
     def peak(self, dtype: str) -> float:
-        """FLOP/s of ``dtype`` (fp32, bf16, fp16)."""
+        """FLOP/s of ``dtype`` (fp32, bf16, fp16, fp8; 0 where the machine has none)."""
         return getattr(self.peak_tflops, dtype) * 1e12
 
     def efficiency_at(self, kernel: str, tokens):

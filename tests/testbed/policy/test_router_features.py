@@ -92,19 +92,15 @@ def test_sigmoid_scores_are_each_experts_own():
 
 
 def test_the_bias_moves_by_the_rate_against_the_sign_of_the_load_error():
-    # EP group 0 = ranks 0, 1; group 1 = ranks 2, 3. Layer 0, 4 experts.
-    balance = BiasBalance(0.001, np.array([[0, 1], [2, 3]]), layers=1, experts=4)
-    routed = np.zeros((1, 4, 4), dtype=np.int32)
-    routed[0, 0] = [3, 1, 2, 2]
-    routed[0, 1] = [1, 1, 2, 4]  # group 0's load 4, 2, 4, 6: mean 4
-    routed[0, 2] = [5, 1, 1, 1]  # group 1's (rank 3 routed nothing): 5, 1, 1, 1: mean 2
-    balance.update(routed)
-    assert balance.of_group(0).tolist() == [[0.0, 0.001, 0.0, -0.001]]  # at the mean: unchanged
-    assert balance.of_group(1).tolist() == [[-0.001, 0.001, 0.001, 0.001]]
-    balance.update(routed)
-    assert balance.of_group(0).tolist() == [[0.0, 0.002, 0.0, -0.002]]
-    quiet = BiasBalance(0.001, np.array([[0, 1], [2, 3]]), layers=1, experts=4)
-    quiet.update(np.zeros((1, 4, 4)))  # a group told no counts (a real rank's other groups) keeps its bias
+    # layer 0: the whole batch's load 5, 3, 5, 7 (mean 5); layer 1: 1, 1, 1, 5 (mean 2)
+    balance = BiasBalance(0.001, layers=2, experts=4)
+    load = np.array([[5, 3, 5, 7], [1, 1, 1, 5]], dtype=np.int32)
+    balance.update(load)
+    assert balance.bias.tolist() == [[0.0, 0.001, 0.0, -0.001], [0.001, 0.001, 0.001, -0.001]]  # at the mean: kept
+    balance.update(load)
+    assert balance.bias.tolist() == [[0.0, 0.002, 0.0, -0.002], [0.002, 0.002, 0.002, -0.002]]
+    quiet = BiasBalance(0.001, layers=2, experts=4)
+    quiet.update(np.zeros((2, 4)))  # no load at all: every expert at the mean
     assert not quiet.bias.any()
 
 

@@ -1,11 +1,13 @@
 """The simulator's synthetic routing token by token (testbed.policy.scored_routing): the
 same scenario and seed give the same counts, a token stays inside its groups, the
-balancing bias evens the load out, the controller's bias follows the counts as the
-workload's does, and without groups or bias the tokens pick experts with M4's law."""
+balancing bias evens the load out (with two replicas, the whole batch's load: one bias
+for every rank), the controller's bias follows the counts as the workload's does, and
+without groups or bias the tokens pick experts with M4's law."""
 
 import numpy as np
 import pytest
 
+from testbed.policy.bias_balance import BiasBalance
 from testbed.policy.controller import Controller
 from testbed.policy.scored_routing import ScoredRouting
 from testbed.policy.workload import SyntheticWorkload
@@ -46,7 +48,7 @@ def test_no_token_uses_more_than_its_groups(group_score):
         "workload": {"tokens_per_rank": 256},
     })
     w = SyntheticWorkload(s)
-    bias = np.random.default_rng(0).normal(0, 0.05, (1, 1, 16))  # one EP group, one layer
+    bias = np.random.default_rng(0).normal(0, 0.05, (1, 16))  # [L, E], one layer
     experts = w.scored.experts_of(0, 0, [0, 1, 2, 3], bias)  # [W, T, K]
     per_token = [len(set(row)) for row in (experts // 4).reshape(-1, 3).tolist()]
     assert max(per_token) == 2 and min(per_token) >= 1
@@ -87,7 +89,7 @@ def test_the_bias_evens_the_load_out(score):
     assert min(unbalanced) > 2.0  # measured: 2.2-2.35
     assert max(balanced) < 1.6  # measured: 1.1-1.4
     # the bias has moved in whole steps of 0.01, down on each layer's hottest expert
-    bias = w.scored.balance.bias[0]  # [L, E], one EP group
+    bias = w.scored.balance.bias  # [L, E]
     assert np.allclose(bias / 0.01, np.round(bias / 0.01), rtol=0, atol=1e-9)
     hottest = sum(w.scored.draw(step, None) for step in range(50, 60)).sum(1).argmax(-1)  # [L]
     assert (bias[np.arange(2), hottest] < 0).all() and (bias[np.arange(2), hottest] == bias.min(-1)).all()
@@ -95,7 +97,7 @@ def test_the_bias_evens_the_load_out(score):
 
 def test_the_controllers_bias_follows_the_workloads():
     """The simulator's controller, told the workload's counts, holds the bias the workload
-    routed with (EP 2 x 2 replicas: one bias per EP group)."""
+    routed with (EP 2 x 2 replicas: one bias for both, the whole batch's)."""
     s = scenario(bias_update_rate=0.01, ep=2)
     w, controller = SyntheticWorkload(s), Controller(s)
     for step in range(5):
@@ -107,8 +109,40 @@ def test_the_controllers_bias_follows_the_workloads():
             controller.backward_layer(layer)
         controller.sync()
         controller.end_step()
+    assert controller.balance.bias.shape == (2, 8) and controller.balance.bias.std() > 0
     assert np.array_equal(controller.balance.bias, w.scored.balance.bias)
-    assert not np.array_equal(controller.balance.bias[0], controller.balance.bias[1])  # each group its own
+
+
+def test_the_one_bias_evens_the_whole_batchs_load_across_replicas():
+    """EP 2 x 2 replicas, 16 experts, top-4 of 2 of 4 groups, Zipf skew 1, each rank's
+    popularity half its own (locality 0.5, so the replicas' loads differ): at rate 0.01
+    the load summed over both replicas evens out by steps 50-59; each replica alone is
+    less even (the rule balances the batch, not each replica). The bias the tokens were
+    routed with is one [L, E], the sign rule's on the counts summed over every rank."""
+    s = Scenario.from_dict({
+        "model": {"num_experts": 16, "top_k": 4, "num_layers": 2},
+        "cluster": {"gpus_per_node": 2, "nodes_per_microcluster": 2, "microclusters": 1},
+        "parallelism": {"ep_size": 2},
+        "router": {"score": "sigmoid", "bias_update_rate": 0.01, "expert_groups": 4, "groups_per_token": 2},
+        "workload": {"tokens_per_rank": 256, "skew": 1.0, "drift": 0.0, "locality": 0.5},
+    })
+    w = SyntheticWorkload(s)
+
+    def peak(load_LE):  # the hottest expert's load over the mean, averaged over layers
+        return float((load_LE.max(-1) / load_LE.mean(-1)).mean())
+
+    counts = [w.routed_counts(step) for step in range(60)]
+    balanced = counts[50:]
+    unbalanced = [w.scored.draw(step, None) for step in range(50, 60)]
+    whole = [peak(c.sum(1)) for c in balanced]
+    assert min(peak(c.sum(1)) for c in unbalanced) > 2.0  # measured: 2.21-2.36
+    assert max(whole) < 1.35  # measured: 1.10-1.21
+    replicas = [peak(c[:, list(group)].sum(1)) for c in balanced for group in ((0, 1), (2, 3))]
+    assert np.mean(replicas) > np.mean(whole)  # measured: 1.29-1.49 each replica
+    replayed = BiasBalance(0.01, 2, 16)
+    for c in counts:
+        replayed.update(c.sum(1))
+    assert w.scored.balance.bias.shape == (2, 16) and np.array_equal(w.scored.balance.bias, replayed.bias)
 
 
 def test_without_groups_or_bias_tokens_follow_the_popularity():

@@ -1,0 +1,74 @@
+"""The shared experts of an MoE layer on one rank (``model.shared_experts``: DeepSeek's,
+Qwen2-MoE's): every token of the rank passes through them on the rank it sits on, so
+they cost the same on every rank and move no token.
+
+Per MoE layer, on the rank's ``workload.tokens_per_rank`` tokens T (the closed forms:
+``testbed.policy.transformer_shape``, one MoE layer's shape ``moe_layer_shape``):
+
+- compute: each shared expert's FFN (``model.ffn_activation``'s matrices of H x F_s,
+  F_s = ``model.shared_ffn_hidden_size``) and the gate's H x 1, dense GEMMs of T rows at
+  the profile's ``dense`` curve (the FFN's at fp8's ceiling with fp8 GEMMs, plus their
+  casts; the gate stays at the model dtype, as the router's); the backward twice the
+  forward, with full recompute the forward first. Split as Megatron-Core's shared-expert
+  overlap splits it (``moe_shared_expert_overlap``, SharedExpertMLP): the first GEMM and
+  the activation (``first_share`` of the FLOPs) beside the dispatch, the second beside
+  the combine (the phase builder places them: ``overlap.shared_experts``);
+- activations kept for the backward per token: each shared expert's first GEMM's output
+  and its output ((matrices - 1) F_s + H: as an expert row, whose input is the layer's);
+  none with full recompute;
+- weights: whole on every rank (replicated, as dense weights: their gradients are summed
+  with the dense ones, ``testbed.policy.whole_model.block_grad_bytes``), in the model
+  dtype; with fp8 GEMMs their fp8 copies while the layer's forward and backward run.
+
+Tensor parallelism would split them and need collectives the planner does not plan:
+the simulator refuses shared experts with ``parallelism.tp_size`` > 1
+(``sim.hardware.model_support``).
+"""
+
+from __future__ import annotations
+
+from sim.hardware.compute import ComputeModel
+from testbed.policy.fp8_casts import linears_copy_bytes
+from testbed.policy.whole_model import moe_layer_shape
+from testbed.scenario.scenario import Scenario
+
+
+class SharedExperts:
+    """Seconds and bytes of one MoE layer's shared experts on one rank (module doc)."""
+
+    def __init__(self, scenario: Scenario, compute: ComputeModel):
+        m, t = scenario.model, scenario.transformer
+        self.enabled = m.shared_experts > 0
+        #: forward seconds of the part beside the dispatch and of the part beside the combine
+        self.forward_s = (0.0, 0.0)
+        self.backward_s = (0.0, 0.0)  # the part beside the combine_backward, then beside the dispatch_backward
+        self.activation_bytes = 0.0  # per layer
+        self.params = 0  # per layer, whole
+        self.fp8_copy_bytes = 0.0  # per layer, while its forward and backward run
+        if not self.enabled:
+            return
+        shape = moe_layer_shape(scenario)
+        tokens, h, f = scenario.workload.tokens_per_rank, m.hidden_size, shape.ffn_matrices
+        recompute = t.enabled and t.recompute == "full"
+        first, second = shape.ffn_linears(shape.shared_ffn_width)
+        first_linears, second_linears = [first] * m.shared_experts, [second] * m.shared_experts
+        gate_s = compute.gemm_time(2.0 * tokens * h, tokens, "dense") if m.shared_expert_gate else 0.0
+        fwd = (compute.linears_time(tokens, first_linears), compute.linears_time(tokens, second_linears) + gate_s)
+        bwd = (compute.linears_time(tokens, second_linears, backward=True, recompute=recompute)
+               + (3.0 if recompute else 2.0) * gate_s,
+               compute.linears_time(tokens, first_linears, backward=True, recompute=recompute))
+        self.forward_s, self.backward_s = fwd, bwd
+        if not recompute:
+            self.activation_bytes = float(tokens * m.shared_experts * ((f - 1) * shape.shared_ffn_width + h)
+                                          * m.dtype_bytes)
+        self.params = shape.shared_expert_params
+        if compute.fp8:
+            self.fp8_copy_bytes = float(linears_copy_bytes(first_linears + second_linears, m.fp8_scaling))
+
+    @property
+    def forward_total_s(self) -> float:
+        return self.forward_s[0] + self.forward_s[1]
+
+    @property
+    def backward_total_s(self) -> float:
+        return self.backward_s[0] + self.backward_s[1]

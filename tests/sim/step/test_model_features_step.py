@@ -1,0 +1,331 @@
+"""The models people train on the simulator (issue 24): each feature moves a simulated
+step's compute time and memory by category exactly as its closed form says, on a
+profile with flat efficiency curves and no launch floor (so every GEMM takes its FLOPs
+over peak x efficiency): SwiGLU's three matrices, shared experts on every rank beside
+the dispatch, MLA's GEMMs and core, fp8 GEMMs at the fp8 ceiling plus their casts at the
+memory bandwidth, MTP's layer and head, dense-first layers, sliding windows, head_dim,
+biases and sinks; the parameter memory is the GPU's share of the model card's count."""
+
+import numpy as np
+import pytest
+
+from sim.backend import ClusterSim, SimBackend
+from testbed.core.errors import ScenarioError
+from testbed.policy.model_card import param_count
+from testbed.policy.whole_model import shape_of
+from testbed.run.runner import run_scenario
+from testbed.scenario.profile import load_profile, profile_from_dict, save_profile
+from testbed.scenario.scenario import Scenario
+
+H, F, E, K, T, S, V = 64, 128, 8, 2, 256, 128, 1000
+PEAK, FP8, BW = 10e12, 20e12, 1e12  # FLOP/s (bf16, fp8), bytes/s
+DENSE, GROUPED, ATTENTION = 0.25, 0.5, 0.1  # the flat efficiencies
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """The H200 profile with flat efficiency curves, no launch floor, no router cost."""
+    d = load_profile("h200").to_dict()
+    d["compute"].update(memory_GBps=BW / 1e9, launch_us=0.0)
+    d["compute"]["peak_tflops"].update(bf16=PEAK / 1e12, fp8=FP8 / 1e12)
+    d["compute"]["efficiency"] = {"grouped": [[1, GROUPED], [1e6, GROUPED]], "loop": [[1, GROUPED], [1e6, GROUPED]],
+                                  "dense": [[1, DENSE], [1e6, DENSE]], "attention": [[1, ATTENTION], [1e6, ATTENTION]]}
+    d["overheads"]["router_us"] = 0.0
+    return str(save_profile(profile_from_dict(d, "flat"), tmp_path_factory.mktemp("profile") / "flat.toml"))
+
+
+def scenario(profile, gpus=1, whole=False, **sections):
+    """H 64, F 128, 8 experts top-2, 2 MoE layers, bf16, dropless, on ``gpus`` GPUs of one
+    node (EP over all of them); ``whole``: the transformer around them (4 heads, 2 KV heads,
+    sequences of 128, a dense layer before each MoE layer)."""
+    data = {"model": {"hidden_size": H, "ffn_hidden_size": F, "num_experts": E, "top_k": K, "num_layers": 2,
+                      "dtype": "bf16"},
+            "cluster": {"gpus_per_node": gpus, "nodes_per_microcluster": 1, "microclusters": 1, "profile": profile},
+            "parallelism": {"ep_size": gpus}, "pager": {"enabled": False}, "router": {"capacity_factor": 0.0},
+            "workload": {"tokens_per_rank": T, "skew": 0.0}, "sim": {"network_model": "analytic"},
+            "run": {"steps": 1, "warmup_steps": 0}}
+    if whole:
+        data["transformer"] = {"enabled": True, "num_heads": 4, "num_kv_heads": 2, "seq_len": S, "vocab_size": V,
+                               "moe_every": 2, "optimizer": "sgd"}
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return Scenario.from_dict(data)
+
+
+def run(s):
+    result = SimBackend().run(s)
+    return result.records[0], result.extra["memory_breakdown_bytes"]
+
+
+def dense(flops):
+    return flops / (PEAK * DENSE)
+
+
+def core(flops):
+    return flops / (PEAK * ATTENTION)
+
+
+def test_swiglu_experts_cost_one_and_a_half_gelus_at_equal_f(flat):
+    """Three matrices of H x F against two: 1.5 x the FLOPs and weight bytes, forward and
+    backward; pages, gradients and optimizer updates 1.5 x; each expert row keeps F more
+    (the first GEMM's output is gate and up, 2 F)."""
+    (gelu, a), (swiglu, b) = (run(scenario(flat, model={"ffn_activation": act})) for act in ("gelu", "swiglu"))
+    for stage in ("experts", "experts_backward"):
+        assert swiglu.stage_time_s[stage] == pytest.approx(1.5 * gelu.stage_time_s[stage], rel=1e-12)
+    assert b["expert_pages"] == 1.5 * a["expert_pages"] == 1.5 * 2 * E * 2 * H * F * 2
+    routers = 2 * (H * E + E) * 4
+    assert b["gradients"] - routers == 1.5 * (a["gradients"] - routers)
+    assert b["activations"] - a["activations"] == 2 * T * K * F * 2  # 2 layers x T K rows x F more, bf16
+    # the whole transformer's dense FFN too: 3 H x 4H matrices
+    (g, _), (w, _) = (run(scenario(flat, whole=True, model={"ffn_activation": act})) for act in ("gelu", "swiglu"))
+    assert w.stage_time_s["dense"] - g.stage_time_s["dense"] == pytest.approx(2 * dense(2 * T * H * 4 * H), rel=1e-9)
+
+
+def shared_seconds(width, experts=1, gate=False):
+    """Forward seconds of the shared experts on T tokens: two gelu matrices each, the gate."""
+    return dense(2 * T * 2 * H * width * experts) + (dense(2 * T * H) if gate else 0.0)
+
+
+def test_shared_experts_run_on_every_rank_beside_the_dispatch(flat):
+    base = scenario(flat, gpus=4)
+    shared = base.replace(model={"shared_experts": 2, "shared_ffn_hidden_size": 96, "shared_expert_gate": True})
+    (plain, a), (over, b) = run(base), run(shared)
+    fwd = shared_seconds(96, 2, gate=True)
+    # every rank runs them on its own T tokens: the experts' stage (a mean over ranks) grows by their time
+    assert over.stage_time_s["experts"] - plain.stage_time_s["experts"] == pytest.approx(2 * fwd, rel=1e-9)
+    assert over.stage_time_s["experts_backward"] - plain.stage_time_s["experts_backward"] == pytest.approx(
+        2 * 2 * fwd, rel=1e-9)
+    params = (2 * 2 * H * 96 + H) * 2  # per layer: 2 experts of 2 H x 96 and the gate, bf16
+    assert b["parameters"] - a["parameters"] == 2 * params
+    assert b["gradients"] - a["gradients"] == 2 * params
+    assert b["activations"] - a["activations"] == 2 * T * 2 * (96 + H) * 2  # each expert's pre-activation, output
+    # replicated: summed with the routers' over all 4 ranks (ring all-reduce: 2 (w - 1) x the bytes)
+    assert over.bytes_by_stage["dense_sync"] - plain.bytes_by_stage["dense_sync"] == 2 * 3 * 2 * params
+    # SGD reads their weights and gradients and writes their weights at the memory bandwidth
+    optimizer = over.stage_time_s["optimizer"] - plain.stage_time_s["optimizer"]
+    assert optimizer == pytest.approx(3 * 2 * params / BW, rel=1e-9)
+    # in order (no overlap) the step takes exactly their time longer, with the longer gradient sum
+    # and update; beside the exchange less
+    in_order, _ = run(shared.replace(overlap={"shared_experts": False}))
+    sync = in_order.stage_time_s["dense_sync"] - plain.stage_time_s["dense_sync"]
+    assert sync > 0
+    assert in_order.step_time_s - plain.step_time_s == pytest.approx(2 * 3 * fwd + sync + optimizer, rel=1e-9)
+    assert plain.step_time_s < over.step_time_s < in_order.step_time_s
+
+
+def test_the_shared_experts_first_part_starts_with_the_dispatch_and_the_second_with_the_combine(flat):
+    s = scenario(flat, gpus=4, model={"shared_experts": 1})
+    sim = ClusterSim(s, load_profile(flat))
+    from sim.backend import routing_source
+    _, phases, tl, _, _, _ = sim.step(0, np.asarray(routing_source(s)(0)), [])
+    layer0 = [i for i, ph in enumerate(phases) if ph.layer == 0]
+    dispatch = next(i for i in layer0 if phases[i].stage == "dispatch")
+    combine = next(i for i in layer0 if phases[i].stage == "combine")
+    compute = [i for i in layer0 if phases[i].stage == "experts" and phases[i].kind == "compute"]
+    first, routed, second = compute  # shared part 1, the routed experts, shared part 2
+    assert np.array_equal(tl.start[first], tl.start[dispatch])
+    assert np.array_equal(tl.start[second], tl.start[combine])
+    assert np.allclose(tl.end[first] - tl.start[first], dense(2 * T * H * F))  # the first matrix
+    assert np.all(tl.start[routed] >= tl.end[first])
+
+
+def test_mla_attention_is_its_gemms_and_core(flat):
+    """MLA of 4 heads: query latent 32, key-value latent 16, d_nope 16, d_rope 8, d_v 16.
+    Its GEMMs: q down H x 32, q up 32 x 4 x 24, kv down H x (16 + 8), kv up 16 x 4 x 32,
+    o 4 x 16 x H; its core 2 x keys x 4 x 24 + 2 x keys x 4 x 16 per token, keys s / 2."""
+    mla = {"attention": "mla", "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 16}
+    (g, a), (m, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, transformer=mla))
+    gqa_params = H * H + 2 * H * 32 + H * H
+    mla_params = 32 * (H + 4 * 24) + H * 24 + 16 * 4 * 32 + 4 * 16 * H
+    assert sum(k * n for k, n in shape_of(scenario(flat, whole=True, transformer=mla)).attention_linears) == mla_params
+    gqa = dense(2 * T * gqa_params) + core(2 * 2 * T * (S / 2) * H)
+    mla_s = dense(2 * T * mla_params) + core(T * (2 * (S / 2) * 4 * 24 + 2 * (S / 2) * 4 * 16))
+    # 2 blocks x 2 attentions each
+    assert m.stage_time_s["dense"] - g.stage_time_s["dense"] == pytest.approx(4 * (mla_s - gqa), rel=1e-9)
+    assert m.stage_time_s["dense_backward"] - g.stage_time_s["dense_backward"] == pytest.approx(
+        2 * 4 * (mla_s - gqa), rel=1e-9)
+    assert b["parameters"] - a["parameters"] == 4 * (mla_params - gqa_params) * 2
+    # activations: Q, K (4 x 24), V and the output's input (4 x 16) for GQA's 4 H, the latents whole
+    split, whole = 2 * 4 * 24 + 2 * 4 * 16, 2 * 32 + 16 + 8 + 16
+    assert b["activations"] - a["activations"] == 4 * 2 * T * (split + whole - 4 * H)
+
+
+def cast(rows, k, n, backward=False):
+    """Bytes of one fp8 GEMM's casts from bf16 (3 bytes an element read and written, 4-byte
+    scales per 1 x 128 tile and 128 x 128 weight block; every dimension here is <= 128 but
+    the FFN's 256 and SwiGLU's)."""
+    tiles = lambda d: -(-d // 128)  # noqa: E731
+    if backward:
+        return rows * n * 3 + rows * tiles(n) * 4 + rows * k * 3 + k * tiles(rows) * 4 + rows * n * 3 + n * tiles(rows) * 4
+    return rows * k * 3 + rows * tiles(k) * 4 + k * n * 3 + tiles(k) * tiles(n) * 4
+
+
+def test_fp8_gemms_run_at_the_fp8_ceiling_plus_their_casts_at_the_memory_bandwidth(flat):
+    fp8 = {"gemm_dtype": "fp8", "fp8_scaling": "blockwise"}
+    (_, a), (f8, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, model=fp8))
+    qkv, o, up, down = (H, 2 * H), (H, H), (H, 4 * H), (4 * H, H)  # 4 heads of 16, 2 KV heads; the dense FFN
+    attention_flops, ffn_flops = 2 * T * (H * 2 * H + H * H), 2 * T * 8 * H * H
+    attention_core = core(2 * 2 * T * (S / 2) * H)  # stays at the bf16 ceiling, as the head does
+    casts = sum(cast(T, *w) for w in (qkv, o))
+    block = 2 * (attention_flops / (FP8 * DENSE) + attention_core + casts / BW) \
+        + ffn_flops / (FP8 * DENSE) + sum(cast(T, *w) for w in (up, down)) / BW
+    head = dense(2 * T * H * V)
+    assert f8.stage_time_s["dense"] == pytest.approx(2 * block + head, rel=1e-9)
+    # the experts: T K rows of 2 GEMMs (H x F, F x H) at fp8's ceiling, each expert's weights cast once
+    gemm = 4 * T * K * H * F / (FP8 * GROUPED)
+    expert_casts = T * K * (H * 3 + 4 + F * 3 + 4) + E * (2 * H * F * 3 + 2 * 4)
+    assert f8.stage_time_s["experts"] == pytest.approx(2 * (gemm + expert_casts / BW), rel=1e-9)
+    # per layer: each expert's 64 rows (T K / E) tiled along the rows for the weight gradient
+    backward_casts = E * sum(cast(T * K // E, *w, backward=True) for w in ((H, F), (F, H)))
+    assert f8.stage_time_s["experts_backward"] == pytest.approx(2 * (2 * gemm + backward_casts / BW), rel=1e-9)
+    # memory: the fp8 copies of every weight the step computes with (1 byte an element and the scales)
+    copies = 2 * (2 * (H * 2 * H + 4 + H * H + 4) + H * 4 * H + 2 * 4 + 4 * H * H + 2 * 4)  # 2 blocks
+    copies += 2 * E * (2 * H * F + 2 * 4)  # 2 layers of 8 experts
+    assert b["parameters"] - a["parameters"] == copies
+    assert b["activations"] == a["activations"]  # kept at the model dtype
+
+
+def test_fp8_gemms_need_an_fp8_ceiling():
+    s = Scenario.from_dict({"model": {"gemm_dtype": "fp8"}, "cluster": {"profile": "a100-seed"}})
+    with pytest.raises(ScenarioError, match=r"model.gemm_dtype = 'fp8'.*compute.peak_tflops.fp8"):
+        SimBackend().check(s)
+
+
+def test_mtp_adds_one_layer_and_one_head(flat):
+    """One MTP module after the last MoE layer: its projection 2H x H, one layer (attention
+    over the whole sequence; MoE, as the last layer is: the router and the rank's experts on
+    balanced routing, T K rows) and the shared head once more."""
+    (plain, a), (mtp, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, transformer={"mtp_layers": 1}))
+    attention = dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
+    module = dense(2 * T * 2 * H * H) + attention + dense(2 * T * H * E) \
+        + 4 * T * K * H * F / (PEAK * GROUPED) + dense(2 * T * H * V)
+    assert mtp.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(module, rel=1e-9)
+    assert mtp.stage_time_s["dense_backward"] - plain.stage_time_s["dense_backward"] == pytest.approx(
+        2 * module, rel=1e-9)
+    weights = (2 * H * H + 2 * H * H + 2 * H * 32 + E * 2 * H * F) * 2 + (H * E + E) * 4
+    assert b["parameters"] - a["parameters"] == weights
+    layer = 34 * T * H * 2 / 2  # Korthikanti's standard layer (an MoE one), bf16
+    rows = (T * H + T * K * (2 * H + F)) * 2
+    assert b["activations"] - a["activations"] == layer + 2 * T * H * 2 + rows + T * V * 2
+
+
+def test_dense_first_layers_come_before_the_first_moe_layer(flat):
+    (plain, a), (first, b) = (run(scenario(flat, gpus=2, whole=True, transformer={"first_dense_layers": n}))
+                              for n in (0, 2))
+    attention = dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
+    layer = attention + dense(2 * T * 8 * H * H)
+    assert first.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(2 * layer, rel=1e-9)
+    # all of it in MoE layer 0's block, none in layer 1's
+    assert first.extra["layer_time_s"][1] == pytest.approx(plain.extra["layer_time_s"][1], rel=1e-12)
+    weights = 2 * (2 * H * H + 2 * H * 32 + 8 * H * H) * 2
+    assert b["parameters"] - a["parameters"] == weights
+    assert first.bytes_by_stage["dense_sync"] - plain.bytes_by_stage["dense_sync"] == 2 * 1 * weights
+
+
+def test_sliding_window_layers_attend_a_band(flat):
+    """Layers 0 and 2 of 4 (full_attention_every 2) attend a window of 32 of the 128: keys
+    w - w^2 / 2s = 28 against s / 2 = 64 on average."""
+    (full, _), (window, _) = (run(scenario(flat, whole=True, transformer={"sliding_window": w})) for w in (0, 32))
+    saved = core(2 * 2 * T * H * 64) - core(2 * 2 * T * H * (32 - 32 * 32 / (2 * S)))
+    assert full.stage_time_s["dense"] - window.stage_time_s["dense"] == pytest.approx(2 * saved, rel=1e-9)
+    assert full.stage_time_s["dense_backward"] - window.stage_time_s["dense_backward"] == pytest.approx(
+        2 * 2 * saved, rel=1e-9)
+
+
+def test_head_dim_sets_the_attention_width(flat):
+    """4 heads of 32 (n d 128 against H 64), 2 KV heads: Q H x 128, K and V H x 64, O 128 x H."""
+    (plain, a), (wide, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, transformer={"head_dim": 32}))
+    per = lambda params, width: dense(2 * T * params) + core(2 * 2 * T * (S / 2) * width)  # noqa: E731
+    delta = per(H * 128 + 2 * H * 64 + 128 * H, 128) - per(2 * H * H + 2 * H * 32, H)
+    assert wide.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(4 * delta, rel=1e-9)
+    assert b["parameters"] - a["parameters"] == 4 * (2 * H * 128 + 2 * H * 64 - 2 * H * H - 2 * H * 32) * 2
+
+
+def test_biases_and_sinks_add_parameters_not_time(flat):
+    (plain, a), (biased, b) = run(scenario(flat, whole=True)), run(scenario(
+        flat, whole=True, model={"ffn_bias": True}, transformer={"attention_bias": "all", "attention_sinks": True}))
+    for stage in ("dense", "experts", "dense_backward", "experts_backward"):
+        assert biased.stage_time_s[stage] == plain.stage_time_s[stage]
+    attention = 64 + 2 * 32 + H + 4  # Q, K, V, O biases and 4 sinks
+    dense_ffn = 4 * H + H
+    experts = E * (F + H)  # the local experts' biases, beside their pages
+    assert b["parameters"] - a["parameters"] == (4 * attention + 2 * dense_ffn + 2 * experts) * 2
+    assert b["expert_pages"] == a["expert_pages"]
+
+
+def test_the_parameter_memory_is_the_gpus_share_of_the_model_card(flat):
+    """Every feature at once on 4 GPUs (EP 4): the weights a GPU holds (its pages and the
+    rest) are the card's count, its share: the routed experts 1/4 (the MTP module's too),
+    the rest whole, the norms left out (as both backends count), the routers in fp32."""
+    s = scenario(flat, gpus=4, whole=True,
+                 model={"ffn_activation": "swiglu", "shared_experts": 1, "shared_ffn_hidden_size": 96,
+                        "shared_expert_gate": True, "ffn_bias": True},
+                 transformer={"first_dense_layers": 1, "mtp_layers": 1, "attention": "mla", "q_lora_rank": 32,
+                              "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                              "sliding_window": 32, "attention_sinks": True})
+    _, got = run(s)
+    shape = shape_of(s)
+    card = param_count(shape).by_component
+    mtp_norms = shape.mtp_module_norm_params
+    mtp_routed = shape.experts * shape.expert_params
+    mtp_share = card["mtp"] - mtp_norms - shape.router_params - mtp_routed + mtp_routed / 4
+    bf16 = (card["embedding"] + card["head"] + card["attention"] + card["dense_ffn"] + card["shared_experts"]
+            + card["routed_experts"] / 4 + mtp_share)
+    fp32 = card["routers"] + shape.router_params  # the MoE layers' and the MTP module's
+    assert got["expert_pages"] + got["parameters"] == 2 * bf16 + 4 * fp32
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b",
+                                    "mixtral-8x22b", "qwen2-57b-a14b", "gpt-oss-120b", "olmoe-1b-7b",
+                                    "megascale-352b"])
+def test_every_preset_simulates_a_step(preset, tmp_path):
+    """Each shipped model, its first 2 MoE layers (``--set model.num_layers=2``), on 8 H200s
+    (2 x 2 x 2, EP 4), sequences of 512, through ``testbed run``'s runner (which refuses a
+    feature the simulator does not model)."""
+    s = Scenario.from_dict({"model": {"preset": preset, "num_layers": 2},
+                            "transformer": {"enabled": True, "seq_len": 512}, "workload": {"tokens_per_rank": 1024},
+                            "cluster": {"profile": "h200"}, "pager": {"enabled": False},
+                            "run": {"steps": 1, "warmup_steps": 0, "output_dir": str(tmp_path)}})
+    out = run_scenario(s, "sim")
+    assert out["step_time_s"] > 0 and out["stage_time_s"]["dense"] > 0 and out["stage_time_s"]["experts"] > 0
+    assert out["model_flops_per_step"] == pytest.approx(shape_of(s).step_flops(8 * 1024, 512))
+
+
+def test_deepeps_kernels_slow_the_shared_experts_beside_them(flat):
+    """deepep holds 20 of the 132 SMs while its dispatch runs: the shared experts beside it
+    run at 1 - 20/132 of their speed for as long as the dispatch takes alone."""
+    from sim.step.phase_builder import deepep_slowed
+
+    s = scenario(flat, gpus=4, model={"shared_experts": 1}, comm={"token_strategy": "deepep"})
+    sim = ClusterSim(s, load_profile(flat))
+    from sim.backend import routing_source
+    decisions, phases, _, _, _, _ = sim.step(0, np.asarray(routing_source(s)(0)), [])
+    first = next(ph for ph in phases if ph.layer == 0 and ph.stage == "experts" and ph.kind == "compute")
+    alone = sim.builder.batch_seconds(decisions.forward[0].dispatch_ops)
+    assert np.all(alone > 0)
+    want = deepep_slowed(np.full(4, dense(2 * T * H * F)), alone, 20 / 132)
+    assert np.allclose(first.seconds, want, rtol=1e-12) and np.all(first.seconds > dense(2 * T * H * F))
+
+
+def test_only_the_first_pipeline_stage_runs_the_dense_first_layers(flat, monkeypatch):
+    """Every stage is simulated as stage 0; the dense-first layers' seconds come off the
+    others, as the head's come off all but the last."""
+    import sim.pipeline.run as pipeline_run
+
+    seen = {}
+
+    def capture(fwd, bwd, *args):
+        seen["fwd"], seen["bwd"] = fwd, bwd
+        return real(fwd, bwd, *args)
+
+    real = pipeline_run.run_pipeline
+    monkeypatch.setattr(pipeline_run, "run_pipeline", capture)
+    s = scenario(flat, gpus=2, whole=True, cluster={"nodes_per_microcluster": 2}, parallelism={"pp_size": 2},
+                 transformer={"micro_batches": 2, "first_dense_layers": 1}, workload={"tokens_per_rank": 2 * T})
+    SimBackend().run(s)
+    layer = dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H) + dense(2 * T * 8 * H * H)
+    head = dense(2 * T * H * V)
+    fwd = seen["fwd"][:, 0]
+    assert fwd[0] - fwd[1] == pytest.approx(layer - head, rel=1e-9)  # stage 0: the dense layer, not the head
+    assert seen["bwd"][0, 0] - seen["bwd"][1, 0] == pytest.approx(2 * (layer - head), rel=1e-9)
