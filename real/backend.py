@@ -53,6 +53,7 @@ def check_runnable(scenario: Scenario) -> None:
                      "carries one stage")):
                 if value is not None:
                     raise ScenarioError(name, value, f"with parallelism.pp_size > 1 on the real backend: {why}")
+        _check_model_features(s)
         if t.zero_stage > 0:
             raise ScenarioError("transformer.zero_stage", t.zero_stage, "the real backend keeps the whole optimizer "
                                 "state on every rank (ZeRO 0); --backend sim models ZeRO")
@@ -76,6 +77,30 @@ def check_runnable(scenario: Scenario) -> None:
             raise ScenarioError("real.network", "emulated", "an emulated cluster is made by the spawning launcher on "
                                 "one machine; under torchrun the ranks use the machines' own network")
         check_privileges()  # one clear line without root, before anything is made
+
+
+def _check_model_features(s: Scenario) -> None:
+    """The models people train (issue 24) with the parallelism the real backend runs them
+    under: MLA, an output-projection bias and MTP on whole ranks (no tensor parallelism:
+    MLA's latents and the output bias would be replicated across a group, their gradients
+    summed over it, which the planner does not plan), MTP and dense-first layers on one
+    pipeline stage, and MLA's RoPE on pairs of dimensions."""
+    t, p = s.transformer, s.parallelism
+    whole_ranks = (("transformer.attention", t.attention == "mla" and t.attention),
+                   ("transformer.attention_bias", t.attention_bias == "all" and t.attention_bias),
+                   ("transformer.mtp_layers", t.mtp_layers))
+    for name, value in whole_ranks:
+        if value and p.tp_size > 1:
+            raise ScenarioError(name, value, "the real backend runs it without tensor parallelism "
+                                "(parallelism.tp_size = 1); --backend sim models it")
+    for name, value in (("transformer.mtp_layers", t.mtp_layers), ("transformer.first_dense_layers",
+                                                                    t.first_dense_layers)):
+        if value and p.pp_size > 1:
+            raise ScenarioError(name, value, "the real backend runs it on one pipeline stage "
+                                "(parallelism.pp_size = 1); --backend sim models it")
+    if t.attention == "mla" and t.qk_rope_head_dim % 2:
+        raise ScenarioError("transformer.qk_rope_head_dim", t.qk_rope_head_dim,
+                            "RoPE rotates pairs of dimensions: must be even")
 
 
 def check_ranks_per_core(scenario: Scenario, force: bool) -> None:

@@ -42,3 +42,24 @@ def test_the_deepseek_router_config_on_both_backends(tmp_path, repo_root):
     assert sim[0]["bytes_by_stage"] == sim[1]["bytes_by_stage"]
     routed = [RoutingTrace.load(run["run_dir"]).routed for run in sim]
     assert np.array_equal(routed[0], routed[1]) and whole_groups(routed[0])
+
+
+@pytest.mark.slow
+def test_the_whole_batch_bias_on_two_replicas_on_both_backends(tmp_path, repo_root):
+    """The same config on EP 2 x 2 replicas: every rank moves the one bias by the whole
+    batch's counts, summed by one all-reduce per replica group and step (L x E int32 =
+    64 bytes, rings of 2 across the nodes: 2 x 2 (2-1) 64 = 256 bytes a step in
+    expert_sync, at the leaf). The real run and its replay count the same bytes per stage
+    and level; the replay without the bias (the same routing, from the trace) counts
+    exactly those 256 bytes fewer, and nowhere else."""
+    s = load_scenario(repo_root / "configs" / "router-deepseek-cpu.toml").replace(
+        run={"output_dir": str(tmp_path)}, parallelism={"ep_size": 2})
+    real = run_scenario(s, "real")
+    replay = run_scenario(s.replace(workload={"trace": real["run_dir"]}), "sim")
+    assert real["bytes_by_stage"] == replay["bytes_by_stage"]
+    assert real["bytes_by_level"] == replay["bytes_by_level"]
+    unbiased = run_scenario(s.replace(workload={"trace": real["run_dir"]}, router={"bias_update_rate": 0.0}), "sim")
+    extra = {st: replay["bytes_by_stage"][st] - unbiased["bytes_by_stage"][st] for st in replay["bytes_by_stage"]}
+    assert extra == {st: 256.0 if st == "expert_sync" else 0.0 for st in extra}
+    assert {lv: replay["bytes_by_level"][lv] - unbiased["bytes_by_level"][lv] for lv in replay["bytes_by_level"]} == {
+        "nvlink": 0.0, "leaf": 256.0, "spine": 0.0, "pcie": 0.0}

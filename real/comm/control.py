@@ -46,7 +46,10 @@ def merge_step(step: int, gathered: list[dict], lead: dict, wire_bytes_by_level:
     return StepRecord(
         extra=dict({"memory_breakdown_bytes": gathered[fullest]["memory"]},
                    **({"pipeline_sent_bytes": sum(g["pipeline_sent_bytes"] for g in gathered)}
-                      if any(g.get("pipeline_sent_bytes") for g in gathered) else {})),
+                      if any(g.get("pipeline_sent_bytes") for g in gathered) else {}),
+                   # MTP (real.rank.mtp): the mean over ranks of their modules' mean cross entropy
+                   **({"mtp_loss": sum(mtp) / len(mtp)}
+                      if (mtp := [g["mtp_loss"] for g in gathered if g.get("mtp_loss") is not None]) else {})),
         step=step,
         step_time_s=max(g["step_time_s"] for g in gathered),
         stage_time_s={s: sum(g["stage_time_s"].get(s, 0.0) for g in gathered) / n for s in STAGES},

@@ -5,16 +5,19 @@ transformer the dense weights' too (DDP-style buckets).
 It runs one of two ways, with the same collectives in the same order on every rank:
 
 - after the backward (the default): the step's active-group discovery all-gather
-  (M10) and the controller's plan, then layer after layer, last first, its expert sync
-  (the two-stage all-gathers once the reduce-scatters are in), each waited for before
-  the next, then the buckets one after another - as the simulator chains them;
+  (M10) with bias balancing's all-reduce of the routed counts beside it, and the
+  controller's plan, then layer after layer, last first, its expert sync (the two-stage
+  all-gathers once the reduce-scatters are in), each waited for before the next, then
+  the buckets one after another - as the simulator chains them;
 - during the backward (M22, ``overlap.sync_with_backward``): what the simulator's sync
   stream does, as async collectives (gloo's worker threads, NCCL's stream) issued from
   points of the backward that every rank passes in the same order:
   - once the forward is done, every layer's backward page loads are decided (so that the
     controller decides the sync after them, as the simulator's does) and the discovery
-    all-gather is issued; it is waited for, the controller plans the sync and the group
-    cache's communicators are made, when the first layer's expert gradients are complete;
+    all-gather is issued, with bias balancing's all-reduce of the routed counts beside it
+    (``Planner.balance_ops``); they are waited for, the controller plans the sync and the
+    group cache's communicators are made, when the first layer's expert gradients are
+    complete;
   - when a layer's expert gradients are complete (its experts' backward ran), its expert
     sync is issued, and the two-stage all-gathers of the layer before (whose
     reduce-scatters were issued a layer ago: a fixed point of every rank's backward, so
@@ -45,6 +48,7 @@ class GradientSync:
         else:
             self.st.clock.switch("expert_sync")
         self.discovery = runner.start_discovery(kept_LE)  # () -> active groups [L, R, E] or None
+        self.balance_sum = runner.start_balance_sum()  # () -> tells the controller the whole batch's load
         self.plan = None
         self.synced: dict[int, torch.Tensor] = {}
         self.reducing: list = []  # (stage, work, finish) of issued all-reduces, in issue order
@@ -132,7 +136,9 @@ class GradientSync:
         st = self.st
         previous = st.clock.current
         st.clock.switch("expert_sync")
-        self.plan = st.controller.sync(self.discovery())
+        active = self.discovery()
+        self.balance_sum()  # beside the discovery, as the simulator runs both in one phase
+        self.plan = st.controller.sync(active)
         if self.plan.cache is not None:
             st.groups.apply(self.plan.cache)
         for k, op in enumerate(self.plan.dense_sync_ops):
@@ -183,8 +189,10 @@ class GradientSync:
         st, part = self.st, Planner.bucket_part(op)
         out = []
         for layer in reversed(Planner.bucket_layers(op)):
-            if part in ("all", "routers"):
+            if part in ("all", "routers"):  # the MoE layer's replicated weights: its router's, its shared experts'
                 out += list(st.router[layer])
+                if st.shared is not None:
+                    out += [p for _, p in st.shared.named_layer_params(layer)]
             if part in ("all", "dense") and st.dense is not None:
                 out += st.dense.layer_params(layer)
         return out

@@ -1,8 +1,10 @@
 """Expert FFN compute on rows grouped by expert, and the per-rank math around it.
 
-Tensor suffixes: T tokens, H hidden, F ffn, K top-k, R rows (kept slots), E experts,
-G experts of one grouped GEMM. An expert's weights are a flat vector: w1 (H x F) then
-w2 (F x H); y = gelu(x w1) w2.
+Tensor suffixes: T tokens, H hidden, F ffn, W the input matrix's columns (F, or 2 F
+for SwiGLU), K top-k, R rows (kept slots), E experts, G experts of one grouped GEMM. An
+expert's weights are a flat vector: w1 (H x W) then w2 (F x H); y = act(x w1) w2, the
+activation gelu or SwiGLU (``model.ffn_activation``: ``real.kernels.ffn_activation``, whose
+``swiglu`` flag every function here takes).
 
 Two kernels compute the same thing (M22's grouped GEMM):
 - *grouped*: one ``torch._grouped_mm`` per matrix for all experts, forward and backward
@@ -26,8 +28,8 @@ from collections import defaultdict
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from real.kernels.ffn_activation import activation, activation_backward, input_width, split_ffn
 from real.kernels.page_pipeline import blocked_ffn, grouped_blocked
 from real.kernels.stacked_weights import StackedWeights, grouped_members, staged
 
@@ -35,15 +37,16 @@ ALIGN_ROWS = 16
 DROPPED_SHIFT = 2**40  # source_slots: above any expert index, so dropped slots sort behind every kept one
 
 
-def split_flat(flat: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w1_HF, w2_FH) views of an expert's flat weight vector."""
-    return flat[: hidden * ffn].view(hidden, ffn), flat[hidden * ffn:].view(ffn, hidden)
+def split_flat(flat: torch.Tensor, hidden: int, ffn: int, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1_HW, w2_FH) views of an expert's flat weight vector."""
+    return split_ffn(flat, hidden, ffn, swiglu)
 
 
-def split_stacked(w_GX: torch.Tensor, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w1_GHF, w2_GFH) views of G stacked flat weight vectors [G, 2 H F]."""
-    g = w_GX.shape[0]
-    return w_GX[:, : hidden * ffn].view(g, hidden, ffn), w_GX[:, hidden * ffn:].view(g, ffn, hidden)
+def split_stacked(w_GX: torch.Tensor, hidden: int, ffn: int,
+                  swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1_GHW, w2_GFH) views of G stacked flat weight vectors [G, (W + F) H]."""
+    g, cut = w_GX.shape[0], hidden * input_width(ffn, swiglu)
+    return w_GX[:, :cut].view(g, hidden, -1), w_GX[:, cut:].view(g, ffn, hidden)
 
 
 #: GPU architectures (compute capability major) on which ``torch._grouped_mm`` runs its
@@ -146,36 +149,37 @@ class GroupLayout:
         return x_PX if self.dest is None else x_PX.index_select(0, self.dest)
 
 
-def grouped_forward(x_RH, w_GX, layout: GroupLayout, hidden: int, ffn: int):
-    """(y_RH, xp_PH, a_PF): the output and what the backward needs (padded rows)."""
-    w1, w2 = split_stacked(w_GX, hidden, ffn)
+def grouped_forward(x_RH, w_GX, layout: GroupLayout, hidden: int, ffn: int, swiglu: bool = False):
+    """(y_RH, xp_PH, a_PW): the output and what the backward needs (padded rows)."""
+    w1, w2 = split_stacked(w_GX, hidden, ffn, swiglu)
     xp = layout.pad(x_RH)
     a = torch._grouped_mm(xp, w1, offs=layout.offs)
-    y = torch._grouped_mm(F.gelu(a), w2, offs=layout.offs)
+    y = torch._grouped_mm(activation(a, swiglu), w2, offs=layout.offs)
     return layout.unpad(y), xp, a
 
 
-def grouped_backward(dy_RH, xp_PH, a_PF, w_GX, layout: GroupLayout, hidden: int, ffn: int):
+def grouped_backward(dy_RH, xp_PH, a_PW, w_GX, layout: GroupLayout, hidden: int, ffn: int, swiglu: bool = False):
     """(dx_RH, dw_GX): the input gradient and each group's flat weight gradient."""
-    w1, w2 = split_stacked(w_GX, hidden, ffn)
+    w1, w2 = split_stacked(w_GX, hidden, ffn, swiglu)
     dyp = layout.pad(dy_RH)
-    h = F.gelu(a_PF)
-    da = torch.ops.aten.gelu_backward(torch._grouped_mm(dyp, w2.transpose(-2, -1), offs=layout.offs), a_PF)
+    h = activation(a_PW, swiglu)
+    da = activation_backward(torch._grouped_mm(dyp, w2.transpose(-2, -1), offs=layout.offs), a_PW, swiglu)
     dx = torch._grouped_mm(da, w1.transpose(-2, -1), offs=layout.offs)
-    dw1 = torch._grouped_mm(xp_PH.t(), da, offs=layout.offs)  # [G, H, F]
+    dw1 = torch._grouped_mm(xp_PH.t(), da, offs=layout.offs)  # [G, H, W]
     dw2 = torch._grouped_mm(h.t(), dyp, offs=layout.offs)  # [G, F, H]
     g = w_GX.shape[0]
     return layout.unpad(dx), torch.cat([dw1.reshape(g, -1), dw2.reshape(g, -1)], dim=1)
 
 
-def grouped_forward_weights(x_RH, sw: StackedWeights, layout: GroupLayout, hidden: int, ffn: int, page_elems: int):
+def grouped_forward_weights(x_RH, sw: StackedWeights, layout: GroupLayout, hidden: int, ffn: int, page_elems: int,
+                            swiglu: bool = False):
     """``grouped_forward`` on stacked weights ``sw``, block by block as their pages
     arrive where ``sw.pipelined`` (M14, ``real.kernels.page_pipeline.grouped_blocked``)."""
     if not sw.pipelined:
-        return grouped_forward(x_RH, sw.w_GX, layout, hidden, ffn)
-    w1, w2 = split_stacked(sw.w_GX, hidden, ffn)
+        return grouped_forward(x_RH, sw.w_GX, layout, hidden, ffn, swiglu)
+    w1, w2 = split_stacked(sw.w_GX, hidden, ffn, swiglu)
     xp = layout.pad(x_RH)
-    y, a = grouped_blocked(xp, w1, w2, layout.offs, page_elems, sw.ready)
+    y, a = grouped_blocked(xp, w1, w2, layout.offs, page_elems, sw.ready, swiglu)
     return layout.unpad(y), xp, a
 
 
@@ -226,13 +230,14 @@ class PagedExpertFFN(torch.autograd.Function):
     (``real.kernels.stacked_weights``), and with M14 page pipelining it contracts block by block
     as the pages arrive. On the per-expert loop an expert whose pages are arriving
     (``weights.read_blocks``) is computed page by page (``real.kernels.page_pipeline``).
-    ``timer`` (or None) times each expert (M18).
+    ``timer`` (or None) times each expert (M18). ``swiglu``: the experts' activation
+    (``real.kernels.ffn_activation``).
     """
 
     @staticmethod
-    def forward(ctx, x_RH, weights, instances, counts, hidden, ffn, grads, timer=None, grouped=False):
+    def forward(ctx, x_RH, weights, instances, counts, hidden, ffn, grads, timer=None, grouped=False, swiglu=False):
         used = [(i, n) for i, n in zip(instances, counts) if n > 0]
-        ctx.args = (weights, instances, counts, used, hidden, ffn, grads, timer, grouped)
+        ctx.args = (weights, instances, counts, used, hidden, ffn, grads, timer, grouped, swiglu)
         if not used:
             ctx.save_for_backward(x_RH)
             return x_RH.new_zeros((0, hidden))
@@ -240,7 +245,7 @@ class PagedExpertFFN(torch.autograd.Function):
             sw = weights.stacked_weights(instances, counts, may_pipeline=True)
             layout = GroupLayout(sw.counts, x_RH.device)
             t = _start(timer)
-            y, xp, a = grouped_forward_weights(x_RH, sw, layout, hidden, ffn, weights.page_elems)
+            y, xp, a = grouped_forward_weights(x_RH, sw, layout, hidden, ffn, weights.page_elems, swiglu)
             _stop(timer, t, _row_shares(*zip(*sw.members)))
             ctx.layout = (sw.counts, layout)
             ctx.save_for_backward(xp, a)
@@ -250,11 +255,11 @@ class PagedExpertFFN(torch.autograd.Function):
             blocks = weights.read_blocks(inst)
             t = _start(timer)
             if blocks is not None:  # M14: page by page as its pages arrive
-                y, a = blocked_ffn(x_RH[start:start + n], blocks, hidden, ffn)
+                y, a = blocked_ffn(x_RH[start:start + n], blocks, hidden, ffn, swiglu)
             else:
-                w1, w2 = split_flat(weights.compute_weights(inst), hidden, ffn)
+                w1, w2 = split_flat(weights.compute_weights(inst), hidden, ffn, swiglu)
                 a = x_RH[start:start + n] @ w1
-                y = F.gelu(a) @ w2
+                y = activation(a, swiglu) @ w2
             pre.append(a)
             out.append(y)
             _stop(timer, t, [(inst, 1.0)])
@@ -264,8 +269,8 @@ class PagedExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RH):
-        weights, instances, counts, used, hidden, ffn, grads, timer, grouped = ctx.args
-        none = (None,) * 8
+        weights, instances, counts, used, hidden, ffn, grads, timer, grouped, swiglu = ctx.args
+        none = (None,) * 9
         if not used:
             (x_RH,) = ctx.saved_tensors
             return (torch.zeros_like(x_RH),) + none
@@ -276,7 +281,7 @@ class PagedExpertFFN(torch.autograd.Function):
             fwd_counts, layout = ctx.layout
             layout = layout if sw.counts == fwd_counts else GroupLayout(sw.counts, xp.device)
             t = _start(timer)
-            dx, dw = grouped_backward(dy_RH.contiguous(), xp, a, sw.w_GX, layout, hidden, ffn)
+            dx, dw = grouped_backward(dy_RH.contiguous(), xp, a, sw.w_GX, layout, hidden, ffn, swiglu)
             _stop(timer, t, _row_shares(*zip(*sw.members)))
             for k, (inst, n) in enumerate(sw.members):
                 if n:
@@ -285,11 +290,11 @@ class PagedExpertFFN(torch.autograd.Function):
         x_RH, *pre = ctx.saved_tensors
         dx, start = [], 0
         for k, (inst, n) in enumerate(used):
-            w1, w2 = split_flat(weights.compute_weights(inst), hidden, ffn)
+            w1, w2 = split_flat(weights.compute_weights(inst), hidden, ffn, swiglu)
             t = _start(timer)
             x, a, dy = x_RH[start:start + n], pre[k], dy_RH[start:start + n]
-            h = F.gelu(a)
-            da = torch.ops.aten.gelu_backward(dy @ w2.t(), a)
+            h = activation(a, swiglu)
+            da = activation_backward(dy @ w2.t(), a, swiglu)
             g = torch.cat([(x.t() @ da).reshape(-1), (h.t() @ dy).reshape(-1)])
             dx.append(da @ w1.t())
             _stop(timer, t, [(inst, 1.0)])
@@ -299,7 +304,7 @@ class PagedExpertFFN(torch.autograd.Function):
 
 
 def expert_ffn(x_RH: torch.Tensor, counts: list[int], flats: list[torch.Tensor | None],
-               hidden: int, ffn: int, grouped: bool | None = None) -> torch.Tensor:
+               hidden: int, ffn: int, grouped: bool | None = None, swiglu: bool = False) -> torch.Tensor:
     """Rows ``x_RH`` grouped by expert (``counts`` rows each) through each expert's FFN,
     without autograd bookkeeping (benchmarks). ``grouped`` None: where supported."""
     used = [(n, f) for n, f in zip(counts, flats) if n > 0]
@@ -309,12 +314,12 @@ def expert_ffn(x_RH: torch.Tensor, counts: list[int], flats: list[torch.Tensor |
         grouped = grouped_supported(x_RH.device, x_RH.dtype, hidden, ffn)
     if grouped:
         w = torch.stack([f for _, f in used])
-        y, _, _ = grouped_forward(x_RH, w, GroupLayout([n for n, _ in used], x_RH.device), hidden, ffn)
+        y, _, _ = grouped_forward(x_RH, w, GroupLayout([n for n, _ in used], x_RH.device), hidden, ffn, swiglu)
         return y
     out, start = [], 0
     for n, flat in used:
-        w1, w2 = split_flat(flat, hidden, ffn)
-        out.append(F.gelu(x_RH[start:start + n] @ w1) @ w2)
+        w1, w2 = split_flat(flat, hidden, ffn, swiglu)
+        out.append(activation(x_RH[start:start + n] @ w1, swiglu) @ w2)
         start += n
     return torch.cat(out)
 

@@ -1,12 +1,13 @@
 """An expert's FFN computed page by page as its pages arrive (M14, ``pager.pipeline_pages``).
 
-An expert's flat weights are w1 (H x F, row-major) then w2 (F x H); page k holds
-elements ``[k P, (k + 1) P)``. So the pages, in order, deliver w1's rows, then w2's: a
-row of w1 is complete once the page holding its last element has arrived. The forward
-contracts block by block over what has arrived,
+An expert's flat weights are w1 (H x W, row-major: W = F, or 2 F with SwiGLU's gate and
+up side by side, ``real.kernels.ffn_activation``) then w2 (F x H); page k holds elements
+``[k P, (k + 1) P)``. So the pages, in order, deliver w1's rows, then w2's: a row of w1 is
+complete once the page holding its last element has arrived. The forward contracts block
+by block over what has arrived,
 
-    a = sum_k x[:, rows_k] @ w1[rows_k]        (the rows of w1 completed by page k)
-    y = sum_k gelu(a)[:, rows_k] @ w2[rows_k]  (the rows of w2 completed by page k)
+    a = sum_k x[:, rows_k] @ w1[rows_k]       (the rows of w1 completed by page k)
+    y = sum_k act(a)[:, rows_k] @ w2[rows_k]  (the rows of w2 completed by page k)
 
 so on CUDA the compute stream waits for one page at a time (``PagedExpertStore.segments``)
 while the copy stream brings the next. A row split between two pages is assembled from
@@ -20,18 +21,20 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from real.kernels.ffn_activation import activation, input_width
 
 
-def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [R, H], pre-activation a [R, F]) of one expert on rows ``x_RH``, from
+def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int,
+                swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [R, H], pre-activation a [R, W]) of one expert on rows ``x_RH``, from
     ``segments``: (start element, 1-D tensor) pieces of the flat weights in order that
     cover them exactly (a page each, waited for as it is yielded)."""
-    rows = x_RH.shape[0]
-    a = x_RH.new_zeros((rows, ffn))
+    rows, cols = x_RH.shape[0], input_width(ffn, swiglu)
+    a = x_RH.new_zeros((rows, cols))
     y = x_RH.new_zeros((rows, hidden))
-    h = None  # gelu(a), once every row of w1 has arrived
-    w1_end = hidden * ffn
+    h = None  # act(a), once every row of w1 has arrived
+    w1_end = hidden * cols
     carry: list[torch.Tensor] = []  # pieces of the row that the last segment left unfinished
     for start, data in segments:
         end = start + data.numel()
@@ -39,7 +42,7 @@ def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int) -> tuple[to
             if lo >= hi:
                 continue
             in_w1 = lo < w1_end
-            base, width = (0, ffn) if in_w1 else (w1_end, hidden)
+            base, width = (0, cols) if in_w1 else (w1_end, hidden)
             piece = data[lo - start:hi - start]
             offset = lo - base
             first_row = -(-offset // width)  # the first row starting in this piece
@@ -53,7 +56,7 @@ def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int) -> tuple[to
                     if in_w1:
                         a = a + x_RH[:, row:row + 1] @ full
                     else:
-                        h = F.gelu(a) if h is None else h
+                        h = activation(a, swiglu) if h is None else h
                         y = y + h[:, row:row + 1] @ full
             whole = (piece.numel() - head) // width  # rows wholly inside this piece
             if whole:
@@ -62,7 +65,7 @@ def blocked_ffn(x_RH: torch.Tensor, segments, hidden: int, ffn: int) -> tuple[to
                 if in_w1:
                     a = a + x_RH[:, r0:r0 + whole] @ block
                 else:
-                    h = F.gelu(a) if h is None else h
+                    h = activation(a, swiglu) if h is None else h
                     y = y + h[:, r0:r0 + whole] @ block
             rest = piece[head + whole * width:]
             if rest.numel():
@@ -91,23 +94,23 @@ def row_blocks(base: int, rows: int, width: int, page_elems: int) -> list[tuple[
     return list(zip(bounds, bounds[1:]))
 
 
-def grouped_blocked(xp_PH: torch.Tensor, w1_GHF: torch.Tensor, w2_GFH: torch.Tensor, offs: torch.Tensor,
-                    page_elems: int, ready) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [P, H], pre-activation a [P, F]) of a grouped FFN over padded rows ``xp_PH``
+def grouped_blocked(xp_PH: torch.Tensor, w1_GHW: torch.Tensor, w2_GFH: torch.Tensor, offs: torch.Tensor,
+                    page_elems: int, ready, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [P, H], pre-activation a [P, W]) of a grouped FFN over padded rows ``xp_PH``
     (groups ending at ``offs``), contracted block by block as pages arrive:
     ``ready(end)`` returns once elements [0, end) of every expert's flat weights may be
     read. Blocks are the rows that whole pages complete (``row_blocks``), so the page
     index k of every expert is waited for together: experts are the same size."""
-    hidden, ffn = w1_GHF.shape[1], w1_GHF.shape[2]
+    hidden, cols, ffn = w1_GHW.shape[1], w1_GHW.shape[2], w2_GFH.shape[1]
     a = None
-    for r0, r1 in row_blocks(0, hidden, ffn, page_elems):
-        ready(r1 * ffn)
-        part = torch._grouped_mm(xp_PH[:, r0:r1], w1_GHF[:, r0:r1], offs=offs)
+    for r0, r1 in row_blocks(0, hidden, cols, page_elems):
+        ready(r1 * cols)
+        part = torch._grouped_mm(xp_PH[:, r0:r1], w1_GHW[:, r0:r1], offs=offs)
         a = part if a is None else a.add_(part)
-    h = F.gelu(a)
+    h = activation(a, swiglu)
     y = None
-    for r0, r1 in row_blocks(hidden * ffn, ffn, hidden, page_elems):
-        ready(hidden * ffn + r1 * hidden)
+    for r0, r1 in row_blocks(hidden * cols, ffn, hidden, page_elems):
+        ready(hidden * cols + r1 * hidden)
         part = torch._grouped_mm(h[:, r0:r1], w2_GFH[:, r0:r1], offs=offs)
         y = part if y is None else y.add_(part)
     return y, a

@@ -8,8 +8,8 @@ kinds at their own intervals (``checkpoint.*_interval``, in completed steps):
   data are drawn from generators seeded per step and the heat map's generator travels
   with the controller, so this is the step and torch's global generators.
 - ``optimizer-n-from-p``: what the optimizer step changes besides expert weights (the
-  router parameters, the whole transformer's dense weights and its Adam state; plain SGD
-  keeps no moments), the controller's whole state (page table, heat map, group cache,
+  router parameters, the shared experts, the whole transformer's dense weights and its
+  Adam state; plain SGD keeps no moments), the controller's whole state (page table, heat map, group cache,
   replica freshness, the routing bias of bias balancing - ``Controller.balance``, which
   the rank's router reads at each step's start; pickled) and, incrementally, the expert
   pages modified since the previous optimizer checkpoint p (their values at n).
@@ -173,6 +173,7 @@ class Checkpointer:
                 "dense": ([p.detach().to("cpu", copy=True) for p in state.dense.params()]
                           if state.dense is not None else None),
                 "adam": state.adam.state_dict() if state.adam is not None else None,
+                "shared": [p.detach().to("cpu", copy=True) for p in state.shared_params()],
                 "controller": pickle.dumps(state.controller),
                 "pages": state.weight_pages(True),
                 "routing": list(self.routing_since),
@@ -236,7 +237,8 @@ class Checkpointer:
             if m > base:
                 pages.update(last["pages"])
             routing += last["routing"]
-        state.restore(pickle.loads(last["controller"]), last["router"], pages, last.get("dense"), last.get("adam"))
+        state.restore(pickle.loads(last["controller"]), last["router"], pages, last.get("dense"), last.get("adam"),
+                      last.get("shared"))
         rng = _load(files["rng"][n])
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and state.device.type == "cuda":

@@ -2,22 +2,30 @@
 ``transformer.enabled``): the embedding, each MoE layer's block of attention and dense
 FFN layers before its route, and the output head with its loss.
 
-The shapes are ``testbed.policy.whole_model``'s, so the simulator counts the same parameters,
-FLOPs and gradient bytes (``Planner.layer_grad_bytes``):
+The shapes are ``testbed.policy.whole_model``'s (``transformer_shape``), so the simulator
+counts the same parameters, FLOPs and gradient bytes (``Planner.layer_grad_bytes``):
 
-- MoE layer l's block: ``moe_every`` sublayers; sublayer j is a causal multi-head
-  attention (Q, K, V, O; ``num_kv_heads`` key/value heads shared by groups of query
-  heads), then a dense FFN (W1, gelu, W2) when j < ``moe_every - 1``; the last
-  sublayer's FFN is the MoE layer itself. Each adds its output to its input (residual)
-  after a parameter-free RMS normalisation of the input (norms carry no weights here, as
+- MoE layer l's block: ``moe_every`` sublayers; sublayer j is a causal attention
+  (``real.rank.attention``: grouped-query with ``num_kv_heads`` key/value heads, a
+  ``head_dim`` of its own, biases by ``attention_bias``; or MLA), then a dense FFN when j <
+  ``moe_every - 1``; the last sublayer's FFN is the MoE layer itself. A dense FFN is
+  gelu(x W1) W2, or with ``model.ffn_activation = "swiglu"`` (silu(x W1) * x W3) W2, W1 the
+  gate and W3 the up (Shazeer 2020). Each adds its output to its input (residual) after a
+  parameter-free RMS normalisation of the input (norms carry no weights here, as
   ``whole_model`` leaves them out).
+- ``transformer.first_dense_layers`` layers of attention and a dense FFN come before MoE
+  layer 0's block (DeepSeek-V3's first three), their weights in its bucket.
 - The embedding (V x H) looks the tokens up before layer 0; the output head (H x V, or
   the embedding's transpose when ``tied_embeddings``) turns the last layer's output into
   logits, and the loss is their cross entropy with the target tokens.
+- ``transformer.mtp_layers`` multi-token-prediction modules after the last layer
+  (``real.rank.mtp``): each a projection of the hidden state and the embedding of a token
+  ahead, an attention sublayer, an MoE layer and the shared head.
 
 Every weight is initialised whole from a generator seeded by (run.seed, layer, sublayer,
-kind): the same on every rank and in every run, in ``model.dtype``. Without tensor
-parallelism every rank holds all of them (data parallelism); with it
+kind): the same on every rank and in every run, in ``model.dtype``. Biases are drawn with
+std ``BIAS_STD`` (assumed: small, and not zero, so that a misplaced bias shows at the first
+step). Without tensor parallelism every rank holds all of them (data parallelism); with it
 (``parallelism.tp_size`` t, ``real.comm.tensor_parallel``) each rank of a group keeps its 1/t
 of the heads, FFN columns and vocabulary, so a run with t = 2 computes what t = 1 does.
 """
@@ -38,7 +46,9 @@ from real.comm.tensor_parallel import (
     VocabParallelCrossEntropy,
     shard,
 )
+from real.rank.attention import Attention, attention_weights
 from real.rank.layer import seed_of
+from real.rank.mtp import MTP_LAYER, mtp_weights, tokens_ahead
 from testbed.policy.whole_model import shape_of
 from testbed.scenario.scenario import Scenario
 
@@ -89,6 +99,22 @@ def _init(shape: tuple[int, int], seed: int, dtype, device, tp: TensorGroup | No
     return w.to(device, dtype).requires_grad_()
 
 
+#: std of every bias's initial values (assumed; module doc)
+BIAS_STD = 0.1
+#: sublayer index the first dense layers' weights are seeded by (i added): past any block's sublayers
+FIRST_DENSE_SUB = 1000
+
+
+def _init_bias(size: int, seed: int, dtype, device, tp: TensorGroup | None = None,
+               split: int | None = None) -> torch.Tensor:
+    """A bias [size] of std ``BIAS_STD``: whole, or this rank's 1/t of it (``split`` 0)."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(size, generator=g) * BIAS_STD
+    if tp is not None and split is not None:
+        b = shard(b, split, tp.index, tp.size)
+    return b.to(device, dtype).requires_grad_()
+
+
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     """x over its root mean square per row (no learned scale)."""
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
@@ -107,9 +133,11 @@ class DenseModel:
         self.has_embedding = place is None or place.first_stage
         self.has_head = place is None or place.last_stage
         parts = tp.size if tp is not None else 1
-        h, n, k, d = m.hidden_size, t.num_heads, t.kv_heads, m.hidden_size // t.num_heads
+        h = m.hidden_size
         # this rank's heads (all, or its 1/t of the query and of the key/value heads)
-        self.heads, self.kv_heads, self.head_dim, self.seq_len = n // parts, k // parts, d, t.seq_len
+        self.attend = Attention(t, h, t.num_heads // parts, t.kv_heads // parts, t.seq_len)
+        self.seq_len = t.seq_len
+        self.swiglu = m.ffn_activation == "swiglu"
         f = self.shape.dense_ffn
         seed = s.run.seed
         #: the first vocabulary id of this rank's shard
@@ -118,14 +146,33 @@ class DenseModel:
         def w(shape, layer, sub, kind, split=None):
             return _init(shape, seed_of(seed, first_layer + layer, sub, kind, 0xD5), dtype, device, tp, split)
 
-        #: per MoE layer: [(wq, wk, wv, wo) per sublayer], [(w1, w2) per dense FFN]
-        self.attention: list[list[tuple[torch.Tensor, ...]]] = []
-        self.ffn: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for layer in range(m.num_layers):  # Q, K, V split by heads (columns), O by its rows; W1 columns, W2 rows
-            self.attention.append([(w((h, n * d), layer, j, 1, 1), w((h, k * d), layer, j, 2, 1),
-                                    w((h, k * d), layer, j, 3, 1), w((n * d, h), layer, j, 4, 0))
-                                   for j in range(t.moe_every)])
-            self.ffn.append([(w((h, f), layer, j, 5, 1), w((f, h), layer, j, 6, 0)) for j in range(t.moe_every - 1)])
+        def b(size, layer, sub, kind, split=None):
+            return _init_bias(size, seed_of(seed, first_layer + layer, sub, kind, 0xB1A5), dtype, device, tp, split)
+
+        def attention(layer, sub):
+            return attention_weights(t, h, lambda shape, kind, split: w(shape, layer, sub, kind, split),
+                                     lambda size, kind, split: b(size, layer, sub, kind, split))
+
+        def ffn(layer, sub):  # W1 (the gate with SwiGLU) and W3 (the up) split by columns, W2 by rows
+            out = {"w1": w((h, f), layer, sub, 5, 1), "w2": w((f, h), layer, sub, 6, 0)}
+            if self.swiglu:
+                out["w3"] = w((h, f), layer, sub, 9, 1)
+            return out
+
+        #: per MoE layer: its block's attention sublayers and the dense FFNs between them
+        self.attention: list[list[dict[str, torch.Tensor]]] = []
+        self.ffn: list[list[dict[str, torch.Tensor]]] = []
+        for layer in range(m.num_layers):
+            self.attention.append([attention(layer, j) for j in range(t.moe_every)])
+            self.ffn.append([ffn(layer, j) for j in range(t.moe_every - 1)])
+        #: ``transformer.first_dense_layers`` (attention, dense FFN) before MoE layer 0's block, in its bucket
+        self.first_dense = [(attention(0, FIRST_DENSE_SUB + i), ffn(0, FIRST_DENSE_SUB + i))
+                            for i in range(t.first_dense_layers if first_layer == 0 else 0)]
+        #: ``transformer.mtp_layers`` modules after the last layer (``real.rank.mtp``): MoE layers L, L + 1, ...
+        self.mtp = [mtp_weights(h, lambda shape, kind, split, d=d: w(shape, MTP_LAYER + d, 0, kind, split),
+                                lambda size, kind, split, d=d: b(size, MTP_LAYER + d, 0, kind, split),
+                                lambda layer_w, layer_b: attention_weights(t, h, layer_w, layer_b))
+                    for d in range(t.mtp_layers)]
         #: [V, H] (or this rank's V / t rows); looked up by token, and the output head when tied
         past = layers - first_layer  # seeded past the model's layers
         self.embedding = w((t.vocab_size, h), past, 0, 7, 0) if self.has_embedding else None
@@ -136,19 +183,43 @@ class DenseModel:
         self._targets = None  # tensor parallel: the group's targets, gathered with its token ids
 
     # ---- what the optimizer and the gradient sync see ---------------------------------------------
-    def layer_params(self, layer: int) -> list[torch.Tensor]:
-        """The dense weights whose gradients MoE layer ``layer``'s bucket carries
-        (``testbed.policy.whole_model.block_grad_bytes``): its block's, the output head's with the
-        last layer, the embedding's with layer 0."""
-        out = [p for sub in self.attention[layer] for p in sub] + [p for sub in self.ffn[layer] for p in sub]
-        if layer == len(self.attention) - 1 and self.head is not None:
-            out.append(self.head)
-        if layer == 0 and self.embedding is not None:
-            out.append(self.embedding)
+    @property
+    def moe_layers(self) -> int:
+        """MoE layers whose buckets carry these weights: the model's, then one per MTP module."""
+        return len(self.attention) + len(self.mtp)
+
+    def named_layer_params(self, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight) of the dense weights whose gradients MoE layer ``layer``'s bucket
+        carries (``testbed.policy.whole_model.block_grad_bytes``), in bucket order: its
+        block's (attention, dense FFNs); with the last MoE layer (ready first in the
+        backward) the MTP modules' projections and attentions (``real.rank.mtp``: their MoE
+        layers have no block) and the output head's; with layer 0 the first dense layers'
+        and the embedding's (ready last)."""
+        out = []
+        if layer < len(self.attention):
+            out = [(f"layer{layer}.attention{j}.{k}", p) for j, sub in enumerate(self.attention[layer])
+                   for k, p in sub.items()]
+            out += [(f"layer{layer}.ffn{j}.{k}", p) for j, sub in enumerate(self.ffn[layer]) for k, p in sub.items()]
+        if layer == self.moe_layers - 1:
+            for d, module in enumerate(self.mtp):
+                out.append((f"mtp{d}.proj", module["proj"]))
+                out += [(f"mtp{d}.attention.{k}", p) for k, p in module["attention"].items()]
+            if self.head is not None:
+                out.append(("head", self.head))
+        if layer == 0:
+            for i, (att, ffn) in enumerate(self.first_dense):
+                out += [(f"dense{i}.attention.{k}", p) for k, p in att.items()]
+                out += [(f"dense{i}.ffn.{k}", p) for k, p in ffn.items()]
+            if self.embedding is not None:
+                out.append(("embedding", self.embedding))
         return out
 
+    def layer_params(self, layer: int) -> list[torch.Tensor]:
+        """The weights of ``named_layer_params``."""
+        return [p for _, p in self.named_layer_params(layer)]
+
     def params(self) -> list[torch.Tensor]:
-        return [p for layer in range(len(self.attention)) for p in self.layer_params(layer)]
+        return [p for layer in range(self.moe_layers) for p in self.layer_params(layer)]
 
     # ---- forward -----------------------------------------------------------------------------------
     def embed(self, tokens_T: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
@@ -168,10 +239,11 @@ class DenseModel:
         return tp.scatter(partial) if tp.sequence_parallel else tp.sum(partial)
 
     def block(self, layer: int, x_TH: torch.Tensor) -> torch.Tensor:
-        """MoE layer ``layer``'s block: its attentions and the dense FFNs between them, on
-        this rank's own rows in and out. Tensor parallel without sequence parallelism: on
-        the group's rows, replicated (from the embedding as they are, from an MoE layer
-        gathered), this rank's own handed to its MoE layer."""
+        """MoE layer ``layer``'s block: its attentions and the dense FFNs between them (layer
+        0's after the first dense layers), on this rank's own rows in and out. Tensor
+        parallel without sequence parallelism: on the group's rows, replicated (from the
+        embedding as they are, from an MoE layer gathered), this rank's own handed to its
+        MoE layer."""
         tp = self.tp
         if tp is not None and not tp.sequence_parallel:
             x_rep = x_TH if layer == 0 and self.has_embedding else tp.replicate(x_TH)
@@ -179,12 +251,44 @@ class DenseModel:
         return self._layers(layer, x_TH)
 
     def _layers(self, layer: int, x_TH: torch.Tensor) -> torch.Tensor:
-        for j, qkvo in enumerate(self.attention[layer]):
-            x_TH = x_TH + self._sublayer(x_TH, lambda y: self._attention(y, *qkvo))
+        if layer == 0:
+            for att, ffn in self.first_dense:
+                x_TH = self._attention_sublayer(x_TH, att)
+                x_TH = x_TH + self._sublayer(x_TH, lambda y: self._ffn(y, ffn))
+        for j, att in enumerate(self.attention[layer]):
+            x_TH = self._attention_sublayer(x_TH, att)
             if j < len(self.ffn[layer]):
-                w1, w2 = self.ffn[layer][j]
-                x_TH = x_TH + self._sublayer(x_TH, lambda y: F.gelu(y @ w1) @ w2)
+                ffn = self.ffn[layer][j]
+                x_TH = x_TH + self._sublayer(x_TH, lambda y: self._ffn(y, ffn))
         return x_TH
+
+    def _attention_sublayer(self, x_TH: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x + attention(norm(x)), the output bias (``transformer.attention_bias = "all"``)
+        added once, after tensor parallelism's sum."""
+        out = x_TH + self._sublayer(x_TH, lambda y: self.attend(y, w))
+        return out + w["bo"] if "bo" in w else out
+
+    def _ffn(self, y: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A dense FFN: gelu(y W1) W2, or SwiGLU's (silu(y W1) * y W3) W2."""
+        if self.swiglu:
+            return (F.silu(y @ w["w1"]) * (y @ w["w3"])) @ w["w2"]
+        return F.gelu(y @ w["w1"]) @ w["w2"]
+
+    def mtp_block(self, d: int, h_TH: torch.Tensor, tokens_T: torch.Tensor) -> torch.Tensor:
+        """MTP module ``d``'s input to its MoE layer (``real.rank.mtp``): the projection of
+        [norm(h); norm(embedding of the token d + 1 ahead)] through its attention sublayer."""
+        ahead, valid = tokens_ahead(tokens_T, d + 1, self.seq_len)
+        e = self.embedding.index_select(0, ahead) * valid[:, None].to(self.embedding.dtype)
+        x_TH = torch.cat([rms_norm(h_TH), rms_norm(e)], dim=-1) @ self.mtp[d]["proj"]
+        return self._attention_sublayer(x_TH, self.mtp[d]["attention"])
+
+    def mtp_loss(self, d: int, x_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        """MTP module ``d``'s cross entropy, fp32: the head's logits of its output against
+        the targets d + 1 positions ahead, the mean over the positions that have them."""
+        head = self.embedding.t() if self.head is None else self.head
+        ahead, valid = tokens_ahead(targets_T, d + 1, self.seq_len)
+        losses = F.cross_entropy((rms_norm(x_TH) @ head).float(), ahead, reduction="none")
+        return (losses * valid.float()).sum() / valid.sum()
 
     def _sublayer(self, x_TH: torch.Tensor, fn) -> torch.Tensor:
         """``fn`` on the normalised input; tensor parallel: on the group's tokens (gathered),
@@ -196,18 +300,6 @@ class DenseModel:
         if not tp.sequence_parallel:  # x_TH holds the group's rows already
             return tp.sum(fn(tp.enter(y)))
         return tp.scatter(fn(tp.gather(y)))
-
-    def _attention(self, x_TH, wq, wk, wv, wo) -> torch.Tensor:
-        """Causal attention within each sequence of ``seq_len`` consecutive tokens."""
-        T, n, k, d = x_TH.shape[0], self.heads, self.kv_heads, self.head_dim
-        b, s = T // self.seq_len, self.seq_len
-        q = (x_TH @ wq).view(b, s, n, d).transpose(1, 2)  # [b, n, s, d]
-        kk = (x_TH @ wk).view(b, s, k, d).transpose(1, 2)
-        v = (x_TH @ wv).view(b, s, k, d).transpose(1, 2)
-        if k < n:  # grouped-query attention: each key/value head serves n / k query heads
-            kk, v = kk.repeat_interleave(n // k, dim=1), v.repeat_interleave(n // k, dim=1)
-        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
-        return out.transpose(1, 2).reshape(T, n * d) @ wo
 
     def loss(self, x_TH: torch.Tensor, targets_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(what this rank's backward starts from, the mean cross entropy over its own

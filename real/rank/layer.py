@@ -1,4 +1,6 @@
-"""One rank's forward of one MoE layer: route -> (paging) -> dispatch -> experts -> combine.
+"""One rank's forward of one MoE layer: route -> (paging) -> dispatch -> experts -> combine,
+and the shared experts (``real.rank.shared_experts``) on the rank's own tokens before the
+dispatch (stage ``experts``).
 
 The route stage ends with the planner's ``route_ops``: the routed counts all-gathered
 within the rank's EP group, which is all the token exchange needs (split sizes) and all
@@ -85,12 +87,16 @@ class LayerRunner:
             r.execute_moves(plan.heat_moves.get(r.rank))
             clock.switch("paging")
         r.execute_moves(plan.prefetch_moves.get(r.rank))  # M14: the next layer's first pages, beside this one
+        shared = None
+        if r.shared is not None:  # every token through the shared experts, on its own rank (no exchange)
+            clock.switch("experts")
+            shared = r.shared.forward(layer, x_TH)
         clock.switch("dispatch")
         slot_idx = source_slots(routing.experts_TK, routing.keep_TK, int(plan.kept[r.rank].sum()))
         instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
         if s.overlap.micro_batches > 1:  # M22: checked to be the flat all-to-all (real.backend)
             out_TH = self._pipelined(layer, x_TH, plan, slot_idx, probs_TK, tokens, instances)
-            return x_TH + out_TH, routing.aux_loss, plan
+            return _residual(x_TH, out_TH, shared), routing.aux_loss, plan
         if s.comm.token_strategy == "allgather":
             expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens, plan)
         elif s.comm.token_strategy == "deepep":
@@ -104,7 +110,7 @@ class LayerRunner:
         clock.switch("combine")
         # the backward of this layer starts here: bring its experts' pages back first
         out_TH = mark(combine(y_RH), clock, "combine_backward", hook=lambda: r.backward_pages(layer))
-        return x_TH + out_TH, routing.aux_loss, plan
+        return _residual(x_TH, out_TH, shared), routing.aux_loss, plan
 
     # ---- what the controller is told -------------------------------------------------------------
     def _exchange_counts(self, layer: int, routed_E: torch.Tensor) -> np.ndarray:
@@ -145,7 +151,7 @@ class LayerRunner:
         """The rank's experts on ``rows`` (``counts`` per instance), weights from its store."""
         r, m = self.r, self.r.scenario.model
         return PagedExpertFFN.apply(rows, r, instances, counts, m.hidden_size, m.ffn_hidden_size, r.grads, r.timer,
-                                    r.grouped)
+                                    r.grouped, r.swiglu)
 
     # ---- token strategies ----------------------------------------------------------------------
     def _exchange_plan(self, plan):
@@ -258,6 +264,12 @@ class LayerRunner:
             return ReduceScatter.apply(partial, r.comm, members, pg, r.codec)
 
         return expert_in, counts_e, combine
+
+
+def _residual(x_TH: torch.Tensor, routed_TH: torch.Tensor, shared_TH: torch.Tensor | None) -> torch.Tensor:
+    """The MoE layer's output: its input, the routed experts' weighted sum and the shared
+    experts' output (``model.shared_experts``; DeepSeek-V3 eq. 12)."""
+    return x_TH + routed_TH if shared_TH is None else x_TH + shared_TH + routed_TH
 
 
 def own_op(ops, rank: int, payload: torch.Tensor):

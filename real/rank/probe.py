@@ -17,9 +17,9 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from real.kernels.experts import split_flat
+from real.kernels.ffn_activation import ffn_forward
 from real.rank.layer import own_op, seed_of
 
 
@@ -40,8 +40,9 @@ def probe_answers(st, step: int, instances: np.ndarray) -> np.ndarray:
             torch.cuda.synchronize(st.device)
         start = time.perf_counter()
         with torch.no_grad():
-            w1, w2 = split_flat(st.read_weights(inst), m.hidden_size, m.ffn_hidden_size)
-            y = F.gelu(x @ w1) @ w2
+            swiglu = m.ffn_activation == "swiglu"
+            w1, w2 = split_flat(st.read_weights(inst), m.hidden_size, m.ffn_hidden_size, swiglu)
+            y = ffn_forward(x, w1, w2, swiglu)
         if cuda:
             torch.cuda.synchronize(st.device)
         del y

@@ -25,11 +25,13 @@ from real.comm.collectives import Comm, PayloadCodec
 from real.comm.groups import Groups
 from real.kernels.adam import MixedAdam
 from real.kernels.experts import ExpertTimer, grouped_supported
+from real.kernels.ffn_activation import input_width
 from real.kernels.stacked_weights import StackedWeights, grouped_members, strided_rows
 from real.paging.paged_store import PagedExpertStore
 from real.rank.clock import StageClock
 from real.rank.dense_model import DenseModel, TensorGroup
 from real.rank.layer import seed_of
+from real.rank.shared_experts import SharedExperts
 from testbed.policy.balance_losses import sequence_tokens
 from testbed.policy.collectives import ByteLedger
 from testbed.policy.controller import Controller
@@ -42,10 +44,11 @@ from testbed.scenario.topology import Layout
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def initial_expert_flat(run_seed: int, instance: int, hidden: int, ffn: int) -> torch.Tensor:
-    """Initial flat weights (w1 then w2, fp32) of expert instance ``instance``."""
+def initial_expert_flat(run_seed: int, instance: int, hidden: int, ffn: int, swiglu: bool = False) -> torch.Tensor:
+    """Initial flat weights (w1 then w2, fp32) of expert instance ``instance``: w1 [H, W]
+    (SwiGLU's gate and up side by side, ``real.kernels.ffn_activation``), w2 [F, H]."""
     g = torch.Generator().manual_seed(seed_of(run_seed, instance, 0xE4))
-    w1 = torch.randn(hidden, ffn, generator=g) / hidden ** 0.5
+    w1 = torch.randn(hidden, input_width(ffn, swiglu), generator=g) / hidden ** 0.5
     w2 = torch.randn(ffn, hidden, generator=g) / ffn ** 0.5
     return torch.cat([w1.reshape(-1), w2.reshape(-1)])
 
@@ -66,6 +69,9 @@ class RankState:
     #: pipeline parallelism (testbed.policy.pipeline_stages): where this rank's stage sits; ``scenario``
     #: and ``rank`` are then the stage's own
     place: StagePlace | None = None
+    #: the whole model's scenario, when ``scenario`` is the controller's with more MoE layers
+    #: (MTP modules: ``real.rank.mtp.controller_scenario``); None: ``scenario``
+    model: Scenario | None = None
     layout: Layout = field(init=False)
 
     def __post_init__(self):
@@ -88,6 +94,7 @@ class RankState:
         self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None
         self.timer = ExpertTimer(self.device.type == "cuda") if s.heat.compute_source == "measured" else None
         self.grouped = grouped_supported(self.device, self.dtype, m.hidden_size, m.ffn_hidden_size)
+        self.swiglu = m.ffn_activation == "swiglu"  # the experts' activation (real.kernels.ffn_activation)
         # M22 local-first routing: router.local_bias on the logits of this rank's local experts
         self.local_bias_E = None
         if s.router.local_bias > 0:
@@ -95,7 +102,7 @@ class RankState:
             self.local_bias_E = torch.as_tensor(local * s.router.local_bias, dtype=torch.float32, device=self.device)
         #: tokens per sequence of the router's sequence-wise balance loss
         self.sequence_tokens = sequence_tokens(s)
-        #: [L, E] this step's auxiliary-loss-free balancing bias of the rank's EP group, on the
+        #: [L, E] this step's auxiliary-loss-free balancing bias (the same on every rank), on the
         #: device (``begin_step``); None when bias balancing is off
         self.balance_bias_LE: torch.Tensor | None = None
         self.router = []
@@ -113,15 +120,19 @@ class RankState:
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
         self._dense_params: list[torch.Tensor] | None = None
+        #: every MoE layer's shared experts (model.shared_experts), replicated on every rank
+        self.shared = (SharedExperts(s, m.num_layers, self.dtype, self.device, self.layer_offset)
+                       if m.shared_experts else None)
         # the whole transformer's dense weights (issue 13) and the optimizer's state
-        self.dense = (DenseModel(s, self.dtype, self.device, self._tensor_group(), place)
+        self.dense = (DenseModel(self.model or s, self.dtype, self.device, self._tensor_group(), place)
                       if s.transformer.enabled else None)
         self.adam = MixedAdam(s) if s.transformer.enabled and s.transformer.optimizer == "adam" else None
         for layer in range(m.num_layers):
             for p in self.layer_params(layer):  # a bucket's all-reduce goes once its gradients are in
                 p.register_post_accumulate_grad_hook(self._router_grad_ready)
         first = self.layer_offset * m.num_experts  # the model's instance number of this stage's first
-        init = lambda i: initial_expert_flat(s.run.seed, i + first, m.hidden_size, m.ffn_hidden_size)  # noqa: E731
+        init = lambda i: initial_expert_flat(s.run.seed, i + first, m.hidden_size, m.ffn_hidden_size,  # noqa: E731
+                                             self.swiglu)
         self.store = None
         self.unpaged: dict[int, torch.Tensor] = {}
         if s.pager.enabled:
@@ -157,11 +168,32 @@ class RankState:
         return TensorGroup(len(members), members.index(self.rank), members, self.groups.get(members), self.comm,
                            self.scenario.parallelism.sequence_parallel)
 
+    def named_layer_params(self, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight) of the weights besides routed experts whose gradients MoE layer
+        ``layer``'s gradient bucket sums over all ranks (``Planner.layer_grad_bytes``), in
+        bucket order: its router's, its shared experts' and, with the whole transformer,
+        its block's (``DenseModel.named_layer_params``)."""
+        w, b = self.router[layer]
+        out = [(f"router{layer}.w", w), (f"router{layer}.b", b)]
+        if self.shared is not None:
+            out += self.shared.named_layer_params(layer)
+        if self.dense is not None:
+            out += self.dense.named_layer_params(layer)
+        return out
+
     def layer_params(self, layer: int) -> list[torch.Tensor]:
-        """The weights besides experts whose gradients MoE layer ``layer``'s gradient
-        bucket sums over all ranks (``Planner.layer_grad_bytes``): its router's and, with
-        the whole transformer, its block's (``DenseModel.layer_params``)."""
-        return list(self.router[layer]) + (self.dense.layer_params(layer) if self.dense is not None else [])
+        """The weights of ``named_layer_params``."""
+        return [p for _, p in self.named_layer_params(layer)]
+
+    def shared_params(self) -> list[torch.Tensor]:
+        """Every shared expert's weights (none without them)."""
+        if self.shared is None:
+            return []
+        return [p for layer in range(self.scenario.model.num_layers) for _, p in self.shared.named_layer_params(layer)]
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        """Every weight besides routed experts, by name (tests compare them with the reference's)."""
+        return {k: p for layer in range(self.scenario.model.num_layers) for k, p in self.named_layer_params(layer)}
 
     def dense_params(self) -> list[torch.Tensor]:
         """Every weight besides experts: routers and the whole transformer's dense ones
@@ -190,9 +222,8 @@ class RankState:
         """Fresh per-step counters: gradients, page moves, stall time, bytes."""
         self.controller.begin_step(step, self.free_memory())
         balance = self.controller.balance  # the bias moved at the last step's end (and restored on resume)
-        if balance is not None:  # one copy to the device a step, not one a layer
-            group = int(self.layout.group_of[self.rank])
-            self.balance_bias_LE = torch.as_tensor(balance.of_group(group), dtype=torch.float32, device=self.device)
+        if balance is not None:  # one copy to the device a step, not one a layer; every rank's is the same
+            self.balance_bias_LE = torch.as_tensor(balance.bias, dtype=torch.float32, device=self.device)
         self.grads.clear()
         self.page_moves, self.stall_s = 0, 0.0
         self.moves_by_reason = {}
@@ -272,11 +303,11 @@ class RankState:
         self.modified.clear()
 
     def restore(self, controller: Controller, router: list, pages: dict[int, torch.Tensor],
-                dense: list | None = None, adam: dict | None = None) -> None:
+                dense: list | None = None, adam: dict | None = None, shared: list | None = None) -> None:
         """Take over a checkpoint: the controller (policies, page table, caches), the
-        router parameters, the expert weight pages and, with the whole transformer, its
-        dense weights and the Adam state; the cached process groups of the restored group
-        cache are created again (same order on every rank)."""
+        router parameters, the shared experts, the expert weight pages and, with the whole
+        transformer, its dense weights and the Adam state; the cached process groups of the
+        restored group cache are created again (same order on every rank)."""
         self.controller = controller
         self.planner = controller.planner
         with torch.no_grad():
@@ -286,6 +317,8 @@ class RankState:
             if self.dense is not None:
                 for p, p0 in zip(self.dense.params(), dense):
                     p.copy_(p0)
+            for p, p0 in zip(self.shared_params(), shared or []):
+                p.copy_(p0)
         if self.adam is not None:
             self.adam.load_state_dict(adam)
         if self.store is not None:

@@ -13,8 +13,8 @@ mistake there is not made twice:
   per-(step, layer, rank) generator on the ranks' device, clamped to [1e-9, 1 - 1e-9]); divided by the
   temperature t(step) = start + min(1, step / steps) (end - start); scores s = softmax of that, or
   sigmoid of each (``router.score``, DeepSeek-V3 eq. 15).
-- The choice, token by token: the biased scores s_i + b_i (b: the EP group's balancing bias,
-  DeepSeek-V3 eq. 16; 0 without it); with groups, the token's M best groups of E/G contiguous
+- The choice, token by token: the biased scores s_i + b_i (b: the balancing bias, one for every
+  rank, DeepSeek-V3 eq. 16; 0 without it); with groups, the token's M best groups of E/G contiguous
   experts by the sum of their two highest biased scores (``top2_sum``) or their highest
   (``max``); its k experts of highest biased score among those groups' experts.
 - Gating weights: the chosen experts' s_i (unbiased), divided by their sum when
@@ -28,9 +28,12 @@ mistake there is not made twice:
   else the rank's T): alpha sum_i f_i P_i, f_i = E / (k T') x the sequence's tokens whose k highest
   *unbiased* scores (over all experts) include i, P_i = the mean of s_i / sum_j s_j; the mean over the
   rank's sequences, added to the aux loss.
-- Bias balancing (DeepSeek-V3 §2.1.2): after each step, each EP group's bias of expert i in layer l
-  moves by gamma x sign(mean_j load_j - load_i), load = the slots the group's ranks routed there.
-- The layer: h = x + sum over the token's kept slots of p_k gelu(x W1_e) W2_e.
+- Bias balancing (DeepSeek-V3 §2.1.2): after each step, the bias of expert i in layer l moves by
+  gamma x sign(mean_j load_j - load_i), load = the slots the whole batch (every rank) routed there.
+- The layer: h = x + sum over the token's kept slots of p_k FFN_e(x) (gelu or SwiGLU), plus
+  the shared experts' output (``model.shared_experts``).
+- With the whole transformer, the embedding, attention, dense FFNs, head and MTP modules
+  around the MoE layers: ``real.rank.reference_model``, which writes them out too.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from real.kernels.experts import split_flat
-from real.kernels.task import SyntheticTask
+from real.kernels.task import SyntheticTask, TokenTask
 from real.rank.layer import noise_generator
-from real.rank.rank_state import TORCH_DTYPES, initial_expert_flat, initial_router
+from real.rank.mtp import controller_scenario
+from real.rank.rank_state import TORCH_DTYPES, initial_expert_flat
+from real.rank.reference_model import ReferenceModel, ffn_by_formula
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 
@@ -64,7 +68,7 @@ def route_by_formula(x_TH, w_EH, b_E, scenario: Scenario, step: int, noise: torc
     """The routing above for one rank's tokens: ([(token, slot, expert, weight)] of the
     kept slots, aux loss (M3 + sequence-wise), [E] slots routed to each expert).
     ``local_bias``: M22's local-first bias per expert (a tensor), or 0. ``balance_bias``:
-    the rank's EP group's balancing bias [E] (float32), or None."""
+    the layer's balancing bias [E] (float32), or None."""
     r, k = scenario.router, scenario.model.top_k
     tokens, experts = x_TH.shape[0], w_EH.shape[0]
     logits = x_TH.float() @ w_EH.t() + b_E + local_bias
@@ -131,74 +135,90 @@ def sequence_loss_by_formula(s_TE, share_TE, scenario: Scenario):
     return r.seq_aux_loss_coef * total / (tokens // length)
 
 
-def update_balance(bias_RLE: np.ndarray, routed_WLE: list, scenario: Scenario) -> None:
+def update_balance(bias_LE: np.ndarray, routed_WLE: list, scenario: Scenario) -> None:
     """Bias balancing after a step (module doc), in place: ``routed_WLE`` every rank's
     routed counts per layer and expert."""
-    lay = Layout(scenario)
     rate = scenario.router.bias_update_rate
-    for g in range(lay.replicas):
-        for layer in range(bias_RLE.shape[1]):
-            load = [sum(routed_WLE[w][layer][e] for w in lay.ep_group(g)) for e in range(bias_RLE.shape[2])]
-            mean = sum(load) / len(load)
-            for e, n in enumerate(load):
-                bias_RLE[g, layer, e] += rate * (1.0 if mean > n else -1.0 if mean < n else 0.0)
+    for layer in range(bias_LE.shape[0]):
+        load = [sum(per_rank[layer][e] for per_rank in routed_WLE) for e in range(bias_LE.shape[1])]
+        mean = sum(load) / len(load)
+        for e, n in enumerate(load):
+            bias_LE[layer, e] += rate * (1.0 if mean > n else -1.0 if mean < n else 0.0)
 
 
 def reference_run(scenario: Scenario, steps: int | None = None, noise_device: str = "cpu") -> list[dict]:
     """``steps`` training steps (default: the scenario's) of the whole cluster in this
     process (CPU); per step the outputs, loss and gradients, and the weights after it.
-    ``noise_device``: where the run's ranks drew the router noise (its generators there)."""
+    ``noise_device``: where the run's ranks drew the router noise (its generators there).
+    With the whole transformer (``real.rank.reference_model``) the steps are plain SGD at
+    ``run.learning_rate`` (``transformer.optimizer = "sgd"``), as the MoE stack's."""
     s, m = scenario, scenario.model
+    if s.transformer.enabled and s.transformer.optimizer != "sgd":
+        raise ValueError("the reference trains with plain SGD: transformer.optimizer = sgd")
     dtype = TORCH_DTYPES[m.dtype]
     world, num_experts = s.world_size, m.num_experts
-    routers = [tuple(t.clone().requires_grad_() for t in initial_router(s.run.seed, layer, s))
-               for layer in range(m.num_layers)]
-    experts = {i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size).to(dtype).requires_grad_()
-               for i in range(m.num_layers * num_experts)}
-    task = SyntheticTask(s)
+    swiglu = m.ffn_activation == "swiglu"
+    layers = controller_scenario(s).model.num_layers  # the MoE layers: the model's, then the MTP modules'
+    model = ReferenceModel(s, layers, dtype)  # routers, shared experts and the dense weights, by name
+    routers = [(model.p[f"router{layer}.w"], model.p[f"router{layer}.b"]) for layer in range(layers)]
+    experts = {i: initial_expert_flat(s.run.seed, i, m.hidden_size, m.ffn_hidden_size, swiglu).to(dtype)
+               .requires_grad_() for i in range(layers * num_experts)}
+    task = TokenTask(s) if s.transformer.enabled else SyntheticTask(s)
     lr = s.run.learning_rate
     # M22: router.local_bias on the logits of the experts local to each rank's node (or micro-cluster)
     layout = Layout(s)
     local = torch.as_tensor(layout.local_expert_mask(s.router.local_scope) * s.router.local_bias,
                             dtype=torch.float32)
     balancing = s.router.bias_update_rate > 0
-    bias_RLE = np.zeros((layout.replicas, m.num_layers, num_experts))  # every EP group's balancing bias
+    bias_LE = np.zeros((layers, num_experts))  # the balancing bias, the same for every rank
     out = []
     for step in range(s.run.steps if steps is None else steps):
-        outputs, losses, auxes, total = [], [], [], torch.zeros(())
+        outputs, losses, auxes, mtp_losses, total = [], [], [], [], torch.zeros(())
         routed_WLE = []
-        bias_used = bias_RLE.copy()
+        bias_used = bias_LE.copy()
         for rank in range(world):
             x_TH, y_TH = task.batch(step, rank)
-            h = x_TH.to(dtype)
-            aux_total = torch.zeros(())
-            routed_WLE.append([])
-            group = int(layout.group_of[rank])
-            for layer in range(m.num_layers):
+            aux_total = [torch.zeros(())]
+            routed_WLE.append([None] * layers)
+
+            def moe(layer, h, rank=rank):
+                """MoE layer ``layer`` on input h: routed by formula, h + shared + routed."""
                 w_EH, b_E = routers[layer]
-                bias = torch.tensor(bias_RLE[group, layer], dtype=torch.float32) if balancing else None
+                bias = torch.tensor(bias_LE[layer], dtype=torch.float32) if balancing else None
                 kept, aux, routed = route_by_formula(h, w_EH, b_E, s, step,
                                                      noise_generator(s.run.seed, step, layer, rank, noise_device),
                                                      local[rank], bias)
-                routed_WLE[-1].append(routed)
-                moe = [torch.zeros(m.hidden_size, dtype=dtype) for _ in range(h.shape[0])]
+                routed_WLE[rank][layer] = routed
+                moe_T = [torch.zeros(m.hidden_size, dtype=dtype) for _ in range(h.shape[0])]
                 for tok, _, e, p in kept:
-                    w1, w2 = split_flat(experts[layer * num_experts + e], m.hidden_size, m.ffn_hidden_size)
-                    moe[tok] = moe[tok] + p.to(dtype) * (F.gelu(h[tok] @ w1) @ w2)
-                h = h + torch.stack(moe)
-                aux_total = aux_total + aux
-            task_loss = torch.mean((h.float() - y_TH) ** 2)
-            total = total + (task_loss + aux_total) / world
+                    w1, w2 = split_flat(experts[layer * num_experts + e], m.hidden_size, m.ffn_hidden_size, swiglu)
+                    moe_T[tok] = moe_T[tok] + p.to(dtype) * ffn_by_formula(h[tok][None], w1, w2, swiglu)[0]
+                shared = model.shared(layer, h)
+                aux_total[0] = aux_total[0] + aux
+                return h + torch.stack(moe_T) if shared is None else h + shared + torch.stack(moe_T)
+
+            if s.transformer.enabled:
+                h, objective, mtp = model.forward(x_TH, y_TH, moe)
+                task_loss = objective if not mtp else model._cross_entropy(h, y_TH).mean()
+                if mtp:
+                    mtp_losses.append(float(sum(ce.detach() for ce in mtp)) / len(mtp))
+            else:
+                h = x_TH.to(dtype)
+                for layer in range(layers):
+                    h = moe(layer, h)
+                task_loss = objective = torch.mean((h.float() - y_TH) ** 2)
+            total = total + (objective + aux_total[0]) / world
             outputs.append(h.detach())
             losses.append(float(task_loss.detach()))
-            auxes.append(float(aux_total.detach()))
+            auxes.append(float(aux_total[0].detach()))
         total.backward()
         if balancing:
-            update_balance(bias_RLE, routed_WLE, s)
+            update_balance(bias_LE, routed_WLE, s)
         expert_grads = {i: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for i, p in experts.items()}
         router_grads = [(w.grad.clone(), b.grad.clone()) for w, b in routers]
+        named_grads = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.p.items()}
         with torch.no_grad():  # plain SGD on every parameter
-            for p in [*experts.values(), *(t for pair in routers for t in pair)]:
+            for p in [*experts.values(), *model.p.values()]:
                 if p.grad is not None:
                     p -= lr * p.grad
                     p.grad = None
@@ -206,12 +226,15 @@ def reference_run(scenario: Scenario, steps: int | None = None, noise_device: st
             "outputs": outputs,
             "loss": sum(losses) / world,
             "aux": sum(auxes) / world,  # the balance losses, summed over layers, mean over ranks
+            "mtp_loss": sum(mtp_losses) / world if mtp_losses else None,  # mean over ranks of the modules' mean
             "expert_grads": expert_grads,
             "router_grads": router_grads,
+            "named_grads": named_grads,  # every weight besides the routed experts, as RankState.named_params
             "experts_after": {i: p.detach().clone() for i, p in experts.items()},
             "router_after": [(w.detach().clone(), b.detach().clone()) for w, b in routers],
+            "named_after": {k: p.detach().clone() for k, p in model.p.items()},
             "routed": np.array(routed_WLE).transpose(1, 0, 2),  # [L, W, E] slots routed (before capacity)
-            "balance_bias": bias_used,  # [R, L, E] the bias the step routed with
+            "balance_bias": bias_used,  # [L, E] the bias the step routed with
         })
     return out
 

@@ -11,7 +11,9 @@ their gradients pass between the stages (``real.comm.stage_link``).
 Per step: every layer forward (``LayerRunner``), the loss (MSE to the task's targets
 plus the aux loss) and its backward, the active-group discovery (M10: an all-gather of
 every rank's bitmask of the experts it kept tokens for, all layers at once, which tells
-the controller what every EP group used), the expert-gradient sync the controller
+the controller what every EP group used) and beside it, with bias balancing and several
+replicas, the all-reduce of the routed counts over each replica group (the whole batch's
+load the one balancing bias moves by, ``Planner.balance_ops``), the expert-gradient sync the controller
 planned (all-reduce or two-stage with cached groups, M8-M10), the router-gradient
 all-reduces (one per DDP-style bucket, after the backward), plain SGD on router and
 experts (expert pages updated wherever they live), and the heat update with its page
@@ -52,6 +54,7 @@ from real.rank.checkpoint import Checkpointer, checkpoint_dir
 from real.rank.clock import mark
 from real.rank.layer import LayerRunner, own_op
 from real.rank.memory_meter import ActivationMeter, gradient_bytes, memory_breakdown
+from real.rank.mtp import MTP_LOSS_WEIGHT, controller_scenario, mtp_modules
 from real.rank.probe import probe_answers
 from real.rank.rank_state import RankState
 from testbed.core.errors import RunError, ScenarioError
@@ -69,12 +72,16 @@ class RankRunner:
         self.global_rank = rank  # the process group's; pipeline stages number their own ranks from 0
         if self.place is not None:
             scenario, rank = stage_scenario(scenario), self.place.local_rank
+        model = scenario
+        #: the model's MoE layers, then one per MTP module (real.rank.mtp): ``s`` is the controller's scenario
+        self.main_layers, self.mtp = model.model.num_layers, mtp_modules(model)
+        scenario = controller_scenario(model)
         self.s = scenario
-        self.st = RankState(scenario, rank, device, place=self.place)
+        self.st = RankState(scenario, rank, device, place=self.place, model=model if self.mtp else None)
         self.pipe = StageLink(self.place, self.st) if self.place is not None else None
         self.layers = LayerRunner(self.st)
         # pipeline stages: each rank of a stage is one data-parallel stream of the whole model's
-        data = scenario if self.place is None else scenario.replace(model={"num_layers": self.place.layers})
+        data = model if self.place is None else model.replace(model={"num_layers": self.place.layers})
         self.task = TokenTask(data) if scenario.transformer.enabled else SyntheticTask(data)
         self.world = scenario.world_size
         self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
@@ -91,8 +98,9 @@ class RankRunner:
         every rank; an int = from the checkpoint at that step.
         ``debug`` (tests): ``fail_at`` = {"rank": r, "after_steps": n} makes rank r die
         abruptly once n steps are done; ``capture`` = True returns every rank's first-step
-        outputs, synced expert gradients, router gradients and updated weights, every
-        step's outputs, and its final weights; ``blocked_pages`` = True computes every
+        outputs, synced expert gradients, router gradients (and every weight's besides
+        the routed experts', by name: ``named_grads``) and updated weights, every step's
+        outputs, and its final weights (``final_named`` by name); ``blocked_pages`` = True computes every
         paged expert page by page (M14) even when none of its pages is in flight;
         ``grouped_kernel`` = True runs the grouped expert GEMM where it would not (CPU).
         """
@@ -132,6 +140,8 @@ class RankRunner:
         s, st = self.s, self.st
         st.begin_step(step)
         self.discovery_s = None
+        if self.capture is not None and st.controller.balance is not None:  # tests: the bias the step routes with
+            self.capture.setdefault("balance_bias", []).append(st.controller.balance.bias.copy())
         x_TH, y_TH = (t.to(st.device) for t in self.task.batch(step, st.rank))
         # every rank starts the timed step together: the testbed's own metrics exchange at
         # the end of the previous step is not training work, and without this the other
@@ -158,17 +168,26 @@ class RankRunner:
         st.controller.set_heat_io(self._in_heat_stage(self._sum_heat),
                                   self._in_heat_stage(lambda instances: probe_answers(st, st.controller.step, instances)))
         first = None  # layer 0's plan: a deferred heat update (M18) is applied there
+        mtp_out = []  # each MTP module's output (real.rank.mtp): MoE layers main_layers + d
+        h_main, mtp_total = None, 0.0  # the main model's output; the MTP modules' mean cross entropy
         with ActivationMeter(exclude=st.dense_params()) as meter:
             for layer in range(s.model.num_layers):
-                if dense is not None:  # the layer's attention and the dense layers before it
+                if layer >= self.main_layers:  # MTP module d: the hidden state and the embedding of a token ahead
+                    st.clock.switch("dense")
+                    h_main = h if layer == self.main_layers else h_main
+                    h = mark(dense.mtp_block(layer - self.main_layers, h, x_TH), st.clock, "dense_backward")
+                elif dense is not None:  # the layer's attention and the dense layers before it
                     st.clock.switch("dense")
                     h = mark(dense.block(layer, h), st.clock, "dense_backward")
                 h, aux, plan = self.layers.forward(layer, h, step)
+                if layer >= self.main_layers:
+                    mtp_out.append(h)
                 first = plan if layer == 0 else first
                 aux_total = aux_total + aux
                 routed.append(plan.routed[st.rank])
                 kept.append(plan.kept[st.rank])
         routed, kept = np.stack(routed), np.stack(kept)  # [L, E]
+        h = h_main if self.mtp else h
         if self.capture is not None:
             self.capture.setdefault("outputs", []).append(h.detach().clone())
             if step == 0:
@@ -182,6 +201,10 @@ class RankRunner:
             st.clock.switch("dense")
             with meter:
                 objective, task_loss = dense.loss(h, y_TH)
+                for d, h_d in enumerate(mtp_out):  # lambda / D sum_k L_MTP^k (DeepSeek-V3 eq. 25)
+                    mtp_loss = dense.mtp_loss(d, h_d, y_TH)
+                    objective = objective + MTP_LOSS_WEIGHT / self.mtp * mtp_loss
+                    mtp_total += float(mtp_loss.detach()) / self.mtp
             first_backward = "dense_backward"
         else:
             first_backward = "combine_backward"
@@ -204,6 +227,8 @@ class RankRunner:
             self.capture["expert_grads"] = {int(i): self.synced.get(int(i), self._grad(int(i))).clone()
                                             for i in st.controller.local_instances(st.rank) if int(i) in updated}
             self.capture["router_grads"] = [(w.grad.clone(), b.grad.clone()) for w, b in st.router]
+            # every weight besides routed experts by name (routers, shared experts, dense weights), summed
+            self.capture["named_grads"] = {k: p.grad.detach().cpu().clone() for k, p in st.named_params().items()}
         held_grads = gradient_bytes(st)  # every gradient is in, until the optimizer step
         self._optimize()
         if self.capture is not None and step == 0:
@@ -241,6 +266,7 @@ class RankRunner:
             "routed": int(routed.sum()), "dropped": int(routed.sum() - kept.sum()),
             "discovery_s": self.discovery_s, "memory": memory,
             "pipeline_sent_bytes": self.pipe.sent_bytes if self.pipe is not None else 0,
+            "mtp_loss": mtp_total if mtp_out else None,  # the mean of the MTP modules' cross entropies
         }
         for name, t0, t1 in regions:
             self.trace.append({"name": name, "ph": "X", "pid": self.global_rank, "tid": stream_of(name),
@@ -331,6 +357,27 @@ class RankRunner:
             return used[lay.rank_of].any(axis=1).transpose(1, 0, 2)  # [R, P, L, E] -> [L, R, E]
         return answer
 
+    def start_balance_sum(self):
+        """Bias balancing with several replicas (``Planner.balance_ops``), issued now beside
+        the discovery (stage expert_sync): the routed counts of this rank's EP group, every
+        layer [L, E] int32 (``Controller.balance_counts``), summed over its replica group,
+        which gives the whole batch's. Returns a function that waits for it and tells the
+        controller (``Controller.tell_balance_load``); with one replica, or bias balancing
+        off, there is nothing to do."""
+        st = self.st
+        ops = st.planner.balance_ops()
+        if not ops:
+            return lambda: None
+        counts = torch.from_numpy(st.controller.balance_counts(st.rank)).to(st.device)  # NCCL: device tensors
+        op = own_op(ops, st.rank, counts)
+        work = st.comm.all_reduce(counts, op.members, st.groups.get(op.members), async_op=True, stage="expert_sync")
+
+        def tell():
+            if work is not None:
+                work.wait()
+            st.controller.tell_balance_load(counts.cpu().numpy())
+        return tell
+
     # ---- after the backward ----------------------------------------------------------------------
     def _grad(self, instance: int) -> torch.Tensor:
         if instance in self.st.grads:
@@ -381,6 +428,7 @@ class RankRunner:
                                              for i in st.controller.local_instances(st.rank)
                                              if st.controller.fresh[int(i), g]}
             self.capture["final_router"] = [(w.detach().cpu().clone(), b.detach().cpu().clone()) for w, b in st.router]
+            self.capture["final_named"] = {k: p.detach().cpu().clone() for k, p in st.named_params().items()}
             self.capture["heat_states"] = st.controller.heat.states
             self.capture["blocked_experts"] = st.blocked_experts
             self.capture["weight_copy_bytes"] = st.weight_copy_bytes

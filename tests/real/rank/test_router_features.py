@@ -1,6 +1,7 @@
 """The router features on real CPU ranks against the single-process reference written from
 the formulas (``real.rank.reference``): sigmoid or softmax scores, group-limited routing,
-the balancing bias of each EP group moving step by step, top-k normalised or not, a routed
+the balancing bias moving step by step (one for the whole batch, on 2 replicas: the same
+on every rank and the reference's, bit for bit), top-k normalised or not, a routed
 scaling factor, the sequence-wise and Switch balance losses. Over several steps every
 step's routed counts, loss, balance loss and outputs, the first step's gradients and the
 weights after the last step match; and a run killed and resumed holds the same bias, bit
@@ -17,7 +18,6 @@ from real.rank.reference import reference_run
 from testbed.core.errors import RunError
 from testbed.policy.bias_balance import BiasBalance
 from testbed.scenario.scenario import Scenario
-from testbed.scenario.topology import Layout
 
 FEATURES = {
     # DeepSeek-V3-like: sigmoid, top2_sum groups, normalised and scaled; Gumbel noise on
@@ -28,7 +28,7 @@ FEATURES = {
 
 
 def scenario(tmp_path, features):
-    """4 ranks, EP 2 x 2 replicas (a bias per EP group); 8 experts in 4 groups of 2, a token
+    """4 ranks, EP 2 x 2 replicas (one bias, the whole batch's); 8 experts in 4 groups of 2, a token
     inside 2 of them, top-3. The bias rate is large (0.05) so that it changes the routing
     within the run's 3 steps; the sequence-wise loss's coefficient too (0.05), so that its
     gradient shows in the router's (without the whole transformer a rank's 64 tokens are one
@@ -52,9 +52,13 @@ def test_router_features_match_the_single_process_reference(tmp_path, features, 
     s = scenario(tmp_path, features)
     result = RealBackend().run(s, debug={"capture": True})
     ref = reference_run(s)
-    # the bias moved after steps 0 and 1, differently in the two EP groups, and changed the routing
+    # the bias moved after steps 0 and 1 and changed the routing; every rank routed each step
+    # with the reference's (the whole batch's, the replica groups' all-reduce of the counts)
     assert not ref[0]["balance_bias"].any() and ref[2]["balance_bias"].std() > 0
-    assert not np.array_equal(ref[2]["balance_bias"][0], ref[2]["balance_bias"][1])
+    for rank, cap in enumerate(result.captured):
+        assert len(cap["balance_bias"]) == 3
+        for step, bias in enumerate(cap["balance_bias"]):
+            assert np.array_equal(bias, ref[step]["balance_bias"]), (rank, step)
     close, n, steps = float_bound.assert_close, float_bound.chain(s), float_bound.updates(s)
     for step, (rec, want) in enumerate(zip(result.records, ref, strict=True)):
         assert np.array_equal(result.routing.routed[step], want["routed"]), step
@@ -82,10 +86,10 @@ def test_the_reference_bias_is_routed_counts_under_the_sign_rule(tmp_path):
     of its routed counts, step after step (a check of the reference, in one process)."""
     s = scenario(tmp_path, "softmax").replace(run={"steps": 3})
     ref = reference_run(s)
-    balance = BiasBalance(s.router.bias_update_rate, Layout(s).rank_of, s.model.num_layers, s.model.num_experts)
+    balance = BiasBalance(s.router.bias_update_rate, s.model.num_layers, s.model.num_experts)
     for step in ref:
         assert np.array_equal(step["balance_bias"], balance.bias)
-        balance.update(step["routed"])
+        balance.update(step["routed"].sum(axis=1))  # [L, W, E] -> the whole batch's [L, E]
     assert balance.bias.std() > 0
 
 
@@ -107,7 +111,7 @@ def checkpointed(tmp_path):
 
 
 def final_bias(run_dir, world):
-    """Every rank's balancing bias [R, L, E] after the 8 steps: its controller in the last
+    """Every rank's balancing bias [L, E] after the 8 steps: its controller in the last
     optimizer checkpoint."""
     out = []
     for rank in range(world):
@@ -130,15 +134,11 @@ def test_the_bias_survives_a_resume_bit_identically(tmp_path):
         assert (a.loss, a.aux_loss, a.routed_slots, a.bytes_by_stage) == (b.loss, b.aux_loss, b.routed_slots,
                                                                           b.bytes_by_stage)
     want, got = final_bias(tmp_path / "straight", 4), final_bias(tmp_path / "killed", 4)
-    lay = Layout(s)
     # the bias every controller derives from the counts: the straight run's routing replayed
-    balance = BiasBalance(s.router.bias_update_rate, lay.rank_of, s.model.num_layers, s.model.num_experts)
+    balance = BiasBalance(s.router.bias_update_rate, s.model.num_layers, s.model.num_experts)
     for routed in straight.routing.routed:
-        balance.update(routed)
+        balance.update(routed.sum(axis=1))
     assert balance.bias.std() > 0
     for rank in range(4):
-        g = lay.group_of[rank]
-        assert np.array_equal(want[rank][g], got[rank][g])  # bit for bit after the resume
-        assert np.array_equal(want[rank][g], balance.bias[g])  # the counts' bias, every rank of the group
-    first_of = [lay.ep_group(g)[0] for g in range(lay.replicas)]
-    assert not np.array_equal(want[first_of[0]][0], want[first_of[1]][1])  # each EP group its own
+        assert np.array_equal(want[rank], got[rank])  # bit for bit after the resume
+        assert np.array_equal(want[rank], balance.bias)  # the whole batch's counts' bias, on every rank
