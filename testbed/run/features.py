@@ -46,6 +46,17 @@ FEATURES: dict[str, Feature] = {
     "transformer.attention_sinks": Feature(lambda s: s.transformer.enabled and s.transformer.attention_sinks, sim=True),
     "transformer.mtp_layers": Feature(lambda s: s.transformer.enabled and s.transformer.mtp_layers > 0, sim=True, real=True),
     "comm.token_strategy": Feature(lambda s: s.comm.token_strategy == "deepep", sim=True, real=True),
+    # Megatron-Core's and DeepSeek's layouts (issue 25)
+    "workload.global_batch": Feature(lambda s: s.workload.global_batch > 0),
+    "parallelism.cp_size": Feature(lambda s: s.parallelism.cp_size > 1),
+    "parallelism.etp_size": Feature(lambda s: s.parallelism.etp_size > 1),
+    "parallelism.moe_layout": Feature(lambda s: s.parallelism.moe_layout != "folded"),
+    "parallelism.pipeline_layout": Feature(lambda s: s.parallelism.pipeline_layout != ""),
+    "parallelism.decoder_first_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_first_pipeline_num_layers > 0),
+    "parallelism.decoder_last_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_last_pipeline_num_layers > 0),
+    "parallelism.pipeline_schedule": Feature(lambda s: s.parallelism.pipeline_schedule != "1f1b"),
+    "parallelism.attention_parallel": Feature(lambda s: s.parallelism.attention_parallel != "tp"),
+    "transformer.recompute_modules": Feature(lambda s: s.transformer.enabled and s.transformer.recompute_modules != ""),
 }
 
 

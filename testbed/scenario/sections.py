@@ -23,6 +23,21 @@ DISPATCHERS = TOKEN_STRATEGIES + ("deepep",)
 FFN_ACTIVATIONS = ("gelu", "swiglu")
 ATTENTIONS = ("gqa", "mla")
 EXPERT_SYNC_STRATEGIES = ("allreduce", "two_stage")
+#: Megatron-Core's --recompute-modules (megatron/core/transformer/transformer_config.py)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe_act", "moe", "layernorm", "mla_up_proj", "shared_experts")
+
+
+def recompute_module_names(value: str) -> str | None:
+    """None when ``value`` is a comma-separated list of known recompute modules, each once."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown_names = [n for n in names if n not in RECOMPUTE_MODULES]
+    if unknown_names:
+        return f"unknown module {unknown_names[0]!r} (known: {', '.join(RECOMPUTE_MODULES)})"
+    if len(set(names)) < len(names):
+        return "a module is named twice"
+    return None
+
+
 PLACEMENTS = ("topology", "strided", "random")
 
 
@@ -131,6 +146,12 @@ class TransformerConfig:
     mtp_layers: int = doc("multi-token-prediction modules after the last layer, each an embedding projection, "
                           "one transformer layer and the shared head (DeepSeek-V3 §2.2: 1)", 0,
                           check=non_negative)
+    recompute_modules: str = doc("selective recompute, Megatron-Core's --recompute-modules: a comma-separated list "
+                                 "of core_attn, mlp, moe_act, moe, layernorm, mla_up_proj, shared_experts (each "
+                                 "recomputes that module's forward in the backward instead of keeping its "
+                                 "activations; DeepSeek-V3 on H100: mlp,mla_up_proj,moe_act,layernorm); empty = "
+                                 "none (transformer.recompute = full recomputes whole layers)", "",
+                                 check=recompute_module_names)
     zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); the gradient sum moves the same bytes (reduce-scatter + all-gather as one all-reduce)", 0, check=between(0, 2))
 
     @property
@@ -171,6 +192,31 @@ class ParallelismConfig:
     pp_chunks: int = doc("model chunks per pipeline stage: 1 = plain 1F1B, more = Megatron's interleaved schedule (transformer.micro_batches a multiple of pp_size)", 1, check=positive)
     tp_size: int = doc("tensor parallelism of the whole transformer's dense layers (transformer.enabled), over consecutive GPUs of a node: each GPU holds 1/tp of the attention heads, dense-FFN columns and vocabulary (the MoE layers see each GPU's own tokens); 1 = none", 1, check=positive)
     sequence_parallel: bool = doc("with tp_size > 1: each GPU keeps only its own tokens between sublayers (all-gather before, reduce-scatter after each); false = the group's tokens replicated inside the blocks (an all-reduce after each, gathers around the MoE layers)", True)
+    cp_size: int = doc("context parallelism: each sequence split over this many GPUs, ring attention exchanging "
+                       "keys and values (Megatron-Core's --context-parallel-size); 1 = none", 1, check=positive)
+    etp_size: int = doc("expert tensor parallelism of the MoE layers (Megatron-Core's "
+                        "--expert-tensor-parallel-size, whose default is tp_size); 1 = each expert whole on a GPU, "
+                        "as the testbed has always run them", 1, check=positive)
+    moe_layout: str = doc("how the MoE layers' expert groups are formed: folded (their ETP x EP x expert-DP grid "
+                          "independent of attention's TP x CP x DP, MoE parallel folding, arXiv 2504.14960) or "
+                          "nested (EP carved out of DP, expert TP = TP: Megatron-Core before folding)", "folded",
+                          choices=("folded", "nested"))
+    pipeline_layout: str = doc("Megatron-Core's --pipeline-model-parallel-layout: E embedding, t transformer "
+                               "layer, m MTP layer, L loss, | stage boundary, x*n and (...)*n repeats (DeepSeek-V3 "
+                               "on 1,024 H100: Et*3|(tt|)*29m|L); stage i on pipeline rank i % pp_size, its "
+                               "virtual chunk i // pp_size; empty = the even split", "")
+    decoder_first_pipeline_num_layers: int = doc("transformer layers of the first pipeline stage, the rest "
+                                                 "split evenly (Megatron-Core's flag of that name); 0 = even", 0,
+                                                 check=non_negative)
+    decoder_last_pipeline_num_layers: int = doc("transformer layers of the last pipeline stage (Megatron-Core's "
+                                                "flag of that name); 0 = even", 0, check=non_negative)
+    pipeline_schedule: str = doc("1f1b (interleaved with pp_chunks > 1: Megatron's schedules) or dualpipe "
+                                 "(DeepSeek-V3 §3.2.1: micro-batches from both ends, the backward split into "
+                                 "input and weight gradients, a forward and a backward chunk overlapped)", "1f1b",
+                                 choices=("1f1b", "dualpipe"))
+    attention_parallel: str = doc("how attention is split over a tensor-parallel group: tp (by heads, Megatron's "
+                                  "tensor parallelism) or ulysses (an all-to-all of heads and sequence around "
+                                  "attention: MegaScale-MoE's SP inside a node)", "tp", choices=("tp", "ulysses"))
 
 
 @dataclass
@@ -314,6 +360,10 @@ class WorkloadConfig:
     """Where routing comes from: a synthetic skewed workload (M4) or a recorded trace."""
 
     tokens_per_rank: int = doc("tokens each rank routes per step per layer", 256, check=positive)
+    global_batch: int = doc("sequences per step over all data-parallel ranks (Megatron's --global-batch-size, "
+                            "transformer.seq_len tokens each); 0 = from tokens_per_rank", 0, check=non_negative)
+    micro_batch_size: int = doc("with global_batch: sequences per micro-batch of one data-parallel rank, shared by "
+                                "its TP x CP group (Megatron's --micro-batch-size)", 1, check=positive)
     skew: float = doc("Zipf exponent of global expert popularity (0 = uniform; at most 50: by then the first "
                       "expert takes every token)", 1.0, check=between(0, 50))
     drift: float = doc("per-step drift of popularity (0 = static)", 0.02, check=non_negative)

@@ -25,3 +25,31 @@ def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch
     features.check_features(s, "sim")  # modelled: no error
     with pytest.raises(ScenarioError, match="the real backend does not model this yet"):
         features.check_features(s, "real")
+
+
+#: issue 25's layout fields, each with a value that uses it; refused until a backend models it
+LAYOUT_VALUES = {
+    "workload": {"global_batch": 8},
+    "parallelism": {"cp_size": 2, "etp_size": 2, "moe_layout": "nested", "pipeline_layout": "Et|tL",
+                    "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
+                    "pipeline_schedule": "dualpipe", "attention_parallel": "ulysses"},
+    "transformer": {"recompute_modules": "mlp,layernorm"},
+}
+
+
+@pytest.mark.parametrize("section, key, value", [(s, k, v) for s, kv in LAYOUT_VALUES.items() for k, v in kv.items()])
+def test_a_layout_field_no_backend_models_yet_is_refused_on_both(section, key, value):
+    tables = {section: {key: value}}
+    if section == "transformer":
+        tables[section]["enabled"] = True
+    s = Scenario.from_dict(tables)
+    field = f"{section}.{key}"
+    assert features.used_features(s) == [field]
+    for backend in ("sim", "real"):
+        with pytest.raises(ScenarioError, match=rf"{field} = .*the {backend} backend does not model this yet"):
+            features.check_features(s, backend)
+
+
+def test_an_unknown_recompute_module_is_named():
+    with pytest.raises(ScenarioError, match=r"transformer.recompute_modules = 'mlp,attn': unknown module 'attn'"):
+        Scenario.from_dict({"transformer": {"recompute_modules": "mlp,attn"}})
