@@ -2,12 +2,13 @@
 
 Per step: faults due at this step change the fabric or cost a restart; routing comes
 from the synthetic workload (M4) or a recorded trace (``workload.trace``); the shared
-controller takes every decision; ``PhaseBuilder`` turns them into timed work on each
-GPU's streams; an executor times the phases (``sim.network_model``: ``flow`` =
-every flow on the max-min fair network, the ranks' phases advanced in numpy between the
-network's events (``sim.step.flow_executor``), ``analytic`` = the vectorised bottleneck
-schedule, ``auto`` = flow up to ``sim.flow_max_gpus`` GPUs); ``step_report`` says what
-it means.
+controller takes every decision over the MoE layers it plans (the model's and, with
+multi-token prediction, one per MTP module: ``testbed.policy.mtp_layers``);
+``PhaseBuilder`` turns them into timed work on each GPU's streams; an executor times the
+phases (``sim.network_model``: ``flow`` = every flow on the max-min fair network, the
+ranks' phases advanced in numpy between the network's events (``sim.step.flow_executor``),
+``analytic`` = the vectorised bottleneck schedule, ``auto`` = flow up to
+``sim.flow_max_gpus`` GPUs); ``step_report`` says what it means.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
 from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
 from testbed.policy.controller import Controller
+from testbed.policy.mtp_layers import controller_scenario
 from testbed.policy.page_moves import add_reason_counts, page_move_count
 from testbed.policy.pipeline_stages import pipelined, stage_scenario
 from testbed.policy.whole_model import zero_shards
@@ -73,7 +75,8 @@ def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memo
 
 
 def routing_source(scenario: Scenario):
-    """step -> routed counts [L, W, E], from the trace when one is given."""
+    """step -> routed counts [L, W, E] of the controller's scenario ``scenario``'s L MoE
+    layers (``controller_scenario``), from the trace when one is given."""
     if scenario.workload.trace:
         trace = RoutingTrace.load(scenario.workload.trace)
         trace.check_fits(scenario, scenario.workload.trace)
@@ -113,10 +116,14 @@ def op_timer(timer: AnalyticTimer, world: int):
 
 
 class ClusterSim:
-    """The simulated cluster of one run: fabric, network, models, controller, clock."""
+    """The simulated cluster of one run: fabric, network, models, controller, clock.
+    ``model_scenario``: the model's scenario; ``s``: the controller's, whose
+    ``model.num_layers`` MoE layers it plans (with MTP modules theirs too,
+    ``testbed.policy.mtp_layers.controller_scenario``)."""
 
     def __init__(self, scenario: Scenario, profile: MachineProfile):
-        s = self.s = scenario
+        self.model_scenario = scenario
+        s = self.s = controller_scenario(scenario)
         self.profile = profile
         self.layout = Layout(s)
         self.controller = Controller(s, layout=self.layout)
@@ -132,7 +139,7 @@ class ClusterSim:
         self.cores = CorePool(self.env, cores) if cores > 0 and self.mode == "flow" else None
         self.copy_latency = profile.copy.latency_us * 1e-6
         shared = self.cores is not None
-        check_model_support(s, profile)
+        check_model_support(scenario, profile)
         compute = ComputeModel(profile, s.model.dtype, s.world_size, shared_cores=shared,
                                gemm_dtype=s.model.gemm_dtype, fp8_scaling=s.model.fp8_scaling)
         self.builder = PhaseBuilder(s, self.layout, compute,
@@ -142,7 +149,7 @@ class ClusterSim:
                                     copy_time=copy_timer(self.fabric, s.world_size, self.copy_latency),
                                     scale_fitted=compute_scale_fitted(profile, s.world_size, shared),
                                     sm_count=profile.compute.sm_count,
-                                    op_seconds=op_timer(self.timer, s.world_size))
+                                    op_seconds=op_timer(self.timer, s.world_size), model=scenario)
         self.faults = Faults(s, self.fabric)
         self.probe = ModelledProbe(s, self.controller, self.builder.compute, s.sim.expert_kernel)  # M20
         self.clock = 0.0
@@ -183,7 +190,7 @@ class ClusterSim:
         """Bytes every GPU holds for the weights besides its expert pages: the shared
         experts' and the routed experts' biases (``PhaseBuilder.extra_param_bytes``), and
         for the whole transformer its weights besides its experts (attention, dense FFNs,
-        embeddings, MTP modules, routers) and the optimizer's state
+        embeddings, MTP modules' projections and attentions, routers) and the optimizer's state
         (``optimizer_state_bytes``); the MoE stack alone holds only the former."""
         extra = self.builder.extra_param_bytes
         if not self.s.transformer.enabled:
@@ -202,7 +209,6 @@ class ClusterSim:
             return 0.0
         dense_shard, expert_shard, _, _ = zero_shards(self.s)
         local = len(self.controller.local_instances(0)) * (self.s.model.expert_params + b.expert_bias_params)
-        local += dense.mtp_expert_params  # the MTP modules' routed experts on this GPU (0 without)
         shared = self.s.model.num_layers * b.shared.params  # whole on every GPU
         return ((dense.dense_params + dense.router_params + shared) / dense_shard + local / expert_shard) \
             * t.optimizer_state_bytes
@@ -271,7 +277,7 @@ class SimBackend:
         profile = load_profile(whole.cluster.profile)
         # pipeline parallelism or micro-batches (sim.pipeline.run): one stage, one micro-batch, simulated
         s = stage_scenario(whole) if pipelined(whole) else whole
-        routed_at = routing_source(s)
+        routed_at = routing_source(controller_scenario(s))
         # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
         # draws per step at paper scale): numpy's generators release the GIL, each step has
         # its own generator, and nothing else touches the workload, so the counts are the same
@@ -279,7 +285,7 @@ class SimBackend:
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
             sim = ClusterSim(s, profile)
-            pipe = PipelinedStep(whole, profile, sim.builder.dense) if s is not whole else None
+            pipe = PipelinedStep(whole, profile, sim.builder) if s is not whole else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
             records, trace, routing, layer_times = [], [], [], []
@@ -317,7 +323,7 @@ class SimBackend:
             "utilization_by_level": sim.network.utilization_by_level(elapsed) if elapsed > 0 else {},
             "hottest_links": sim.network.hottest_links(5, elapsed) if elapsed > 0 else [],
             "layer_time_s": [float(np.median([lt[i] for lt in layer_times[s.run.warmup_steps:] or layer_times]))
-                             for i in range(s.model.num_layers)],
+                             for i in range(sim.s.model.num_layers)],
             "exposed_s": float(np.median([r.extra["exposed_s_mean"] for r in measured])),
             "host_bytes_by_stage": {st: float(np.mean([r.extra["host_bytes_by_stage"][st] for r in measured]))
                                     for st in measured[0].extra["host_bytes_by_stage"]},

@@ -19,36 +19,22 @@ model's (shared, their gradients summed from both uses).
 TRM_k is one attention sublayer and an MoE layer (Megatron-LM's MTP takes the decoder's
 last layer's spec; the model card counts it so: ``TransformerShape.mtp_module_params``).
 Its MoE layer is one more MoE layer for the controller: the main model's L MoE layers are
-its layers 0 .. L-1 and module d's is layer L + d (``controller_scenario``), so its routing,
-pages, token exchange, expert sync, router and shared experts are planned as every MoE
-layer's. Its projection and attention are in the last MoE layer's gradient bucket, with
-the head (ready first in the backward); its own MoE layer has no block.
+its layers 0 .. L-1 and module d's is layer L + d (``testbed.policy.mtp_layers``, as the
+simulator plans it too), so its routing, pages, token exchange, expert sync, router and
+shared experts are planned as every MoE layer's. Its projection and attention are in the
+last MoE layer's (L + D - 1) gradient bucket, with the head (ready first in the
+backward): its own MoE layer's bucket holds no block.
 """
 
 from __future__ import annotations
 
 import torch
 
-from testbed.scenario.scenario import Scenario
-
 #: lambda of the MTP loss (DeepSeek-V3 §4.2: 0.3 for the first 10T tokens, then 0.1)
 MTP_LOSS_WEIGHT = 0.3
 
 #: the layer index MTP module d's weights are seeded by (d added): past every model's layers
 MTP_LAYER = 1 << 20
-
-
-def mtp_modules(scenario: Scenario) -> int:
-    """D: MTP modules of the whole transformer (none without it)."""
-    t = scenario.transformer
-    return t.mtp_layers if t.enabled else 0
-
-
-def controller_scenario(scenario: Scenario) -> Scenario:
-    """The scenario whose ``model.num_layers`` MoE layers the controller plans: the model's
-    and, after them, one per MTP module (module doc)."""
-    d = mtp_modules(scenario)
-    return scenario.replace(model={"num_layers": scenario.model.num_layers + d}) if d else scenario
 
 
 def mtp_weights(hidden: int, w, b, attention) -> dict:

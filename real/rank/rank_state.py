@@ -70,7 +70,7 @@ class RankState:
     #: and ``rank`` are then the stage's own
     place: StagePlace | None = None
     #: the whole model's scenario, when ``scenario`` is the controller's with more MoE layers
-    #: (MTP modules: ``real.rank.mtp.controller_scenario``); None: ``scenario``
+    #: (MTP modules: ``testbed.policy.mtp_layers.controller_scenario``); None: ``scenario``
     model: Scenario | None = None
     layout: Layout = field(init=False)
 

@@ -46,9 +46,9 @@ import torch
 from real.kernels.experts import split_flat
 from real.kernels.task import SyntheticTask, TokenTask
 from real.rank.layer import noise_generator
-from real.rank.mtp import controller_scenario
 from real.rank.rank_state import TORCH_DTYPES, initial_expert_flat
 from real.rank.reference_model import ReferenceModel, ffn_by_formula
+from testbed.policy.mtp_layers import controller_scenario
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 

@@ -54,10 +54,11 @@ from real.rank.checkpoint import Checkpointer, checkpoint_dir
 from real.rank.clock import mark
 from real.rank.layer import LayerRunner, own_op
 from real.rank.memory_meter import ActivationMeter, gradient_bytes, memory_breakdown
-from real.rank.mtp import MTP_LOSS_WEIGHT, controller_scenario, mtp_modules
+from real.rank.mtp import MTP_LOSS_WEIGHT
 from real.rank.probe import probe_answers
 from real.rank.rank_state import RankState
 from testbed.core.errors import RunError, ScenarioError
+from testbed.policy.mtp_layers import controller_scenario, mtp_modules
 from testbed.policy.pipeline_stages import stage_place, stage_scenario
 from testbed.scenario.profile import load_profile
 from testbed.scenario.scenario import Scenario

@@ -25,15 +25,17 @@ shape's closed forms (``testbed.policy.transformer_shape``):
   scores; the shape's attention and dense-FFN terms), scaled from 16-bit to the model's
   dtype; with full recompute only each layer's input. With fp8 GEMMs the fp8 copies of
   the block's weights are held from its forward to its backward besides;
-- the MTP modules (``transformer.mtp_layers``, DeepSeek-V3 §2.2) run with the output
-  head, after the last MoE layer: each its projection 2H x H, one layer (whole-sequence
-  attention; an MoE FFN when the last layer is MoE) and the shared head once more. An
-  MTP module's MoE FFN is its router, its shared experts and its routed experts on
-  balanced routing (each of the rank's E/P experts T k P / E rows, P = EP size: the rank
-  computes T k rows), its token exchange not simulated (the planner plans
-  ``model.num_layers`` MoE layers). Its activations: its layer's, its projection's input
-  (2H per token), its logits; its weights: the projection, attention and dense FFN or
-  shared experts 1/tp (dense), its router whole (fp32), its E/P routed experts.
+- the MTP modules (``transformer.mtp_layers`` D, DeepSeek-V3 §2.2) after the last MoE
+  layer: each a projection 2H x H, one layer (whole-sequence attention and an MoE FFN)
+  and the shared head once more. Module d's MoE FFN is MoE layer L + d of the controller
+  (``testbed.policy.mtp_layers``: planned, routed, exchanged, paged and synced as every
+  MoE layer), so its block here is module d's projection (on the rank's T tokens; the
+  norms and the embedding lookup cost nothing) and its attention sublayer: ``forward_s``
+  and the other per-block lists hold L + D blocks. Its activations: its attention
+  sublayer's and MoE layer's input as a layer's (``layer_activation_bytes``, the experts'
+  are the phase builder's), its projection's input (2H per token); its logits are the
+  head's; its weights: the projection and attention 1/tp (dense). The head runs once
+  per module more, after MoE layer L + D - 1 (``head_forward_s``).
 
 Tensor parallelism (``parallelism.tp_size`` t) over t GPUs of a node: each holds 1/t
 of the heads, the dense FFNs' columns and the vocabulary. Per GPU the FLOPs stay those
@@ -51,19 +53,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
-
 from sim.hardware.compute import ComputeModel
-from sim.hardware.shared_experts import SharedExperts
 from testbed.policy.fp8_casts import linears_copy_bytes
+from testbed.policy.mtp_layers import mtp_block_params, mtp_modules
 from testbed.policy.transformer_shape import attention_core_flops
-from testbed.policy.whole_model import (
-    expert_row_elements,
-    layer_activation_bytes,
-    mtp_dense_params,
-    shape_of,
-    zero_shards,
-)
+from testbed.policy.whole_model import layer_activation_bytes, shape_of
 from testbed.scenario.scenario import Scenario
 
 
@@ -75,9 +69,12 @@ def grouped_sum(items: list, value) -> float:
 
 
 class DenseLayers:
-    """Seconds and bytes of the dense work of one rank, per MoE layer's block."""
+    """Seconds and bytes of the dense work of one rank, per MoE layer's block: the model's
+    L, then the D MTP modules' (module doc)."""
 
-    def __init__(self, scenario: Scenario, compute: ComputeModel, shared: SharedExperts | None = None):
+    def __init__(self, scenario: Scenario, compute: ComputeModel):
+        """``scenario``: the model's (``model.num_layers`` L main MoE layers; not the
+        controller's, ``testbed.policy.mtp_layers.controller_scenario``)."""
         s, t, m = scenario, scenario.transformer, scenario.model
         self.enabled = t.enabled
         if not self.enabled:
@@ -97,35 +94,34 @@ class DenseLayers:
                      compute.linears_cast_seconds(tokens, ffn_linears, backward=True))
         self._attention_copies = self._copies(shape.attention_linears)
         self._ffn_copies = self._copies(ffn_linears)
-        #: per MoE layer: forward and backward seconds of its block, the activation bytes it
-        #: keeps from its forward to its backward, and what it holds meanwhile (with fp8 copies)
+        #: per MoE layer (the model's L, then the D MTP modules'): forward and backward seconds of
+        #: its block, the activation bytes it keeps from its forward to its backward, and what it
+        #: holds meanwhile (with fp8 copies)
         self.forward_s, self.backward_s, self.activation_bytes, self.held_bytes = [], [], [], []
         #: (forward, backward) seconds of the dense-first layers alone (in MoE layer 0's block)
         self.first_dense_s = self._block(list(range(t.first_dense_layers)))[:2] if t.first_dense_layers else (0.0, 0.0)
-        for layer in range(m.num_layers):
-            fwd, bwd, act, held = self._block(self.block_layers(layer))
+        mtp = mtp_modules(s)
+        blocks = [self._block(self.block_layers(layer)) for layer in range(m.num_layers)]
+        blocks += [self._mtp_block()] * mtp
+        for fwd, bwd, act, held in blocks:
             self.forward_s.append(fwd)
             self.backward_s.append(bwd)
             self.activation_bytes.append(act)
             self.held_bytes.append(held)
-        #: the output head's forward (the embedding is a lookup) and backward seconds, the MTP modules' with it
-        self.head_forward_s = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens, kernel="dense")
+        #: the output head's forward (the embedding is a lookup) and backward seconds: the model's
+        #: and each MTP module's, after the last MoE layer
+        head = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens, kernel="dense")
+        self.head_forward_s = (1 + mtp) * head
         self.head_backward_s = 2.0 * self.head_forward_s
-        #: logits kept for the loss's backward (and the MTP modules' activations)
-        self.head_activation_bytes = tokens * t.vocab_size * m.dtype_bytes
+        #: logits kept for the loss's backward (the model's and each MTP module's)
+        self.head_activation_bytes = (1 + mtp) * tokens * t.vocab_size * m.dtype_bytes
         self.head_held_bytes = self.head_activation_bytes
-        #: parameters a rank holds besides its experts and routers: 1/tp of attention, dense FFNs and embeddings
-        self.dense_params = shape.dense_params // p.tp_size
-        #: the routers' weights and biases (whole on every rank, fp32)
-        self.router_params = shape.moe_layers * (h * shape.experts + shape.experts)
-        #: the MTP modules' routed experts on this rank (model dtype) and their gradient bytes, and their
-        #: routers' gradient bytes (fp32)
-        self.mtp_expert_params, self.mtp_expert_grad_bytes, self.mtp_router_grad_bytes = 0, 0.0, 0
-        if t.mtp_layers:
-            self._add_mtp(scenario, shared)
+        #: parameters a rank holds besides its experts, shared experts and routers: 1/tp of attention,
+        #: dense FFNs, embeddings and the MTP modules' projections and attentions
+        self.dense_params = (shape.dense_params + mtp * mtp_block_params(shape)) // p.tp_size
+        #: the routers' weights and biases of every MoE layer the controller plans (whole on every rank, fp32)
+        self.router_params = (shape.moe_layers + mtp) * (h * shape.experts + shape.experts)
         self.param_bytes = self.dense_params * m.dtype_bytes  # the routers' are the phase builder's router_grad_bytes
-        if t.mtp_layers:
-            self.param_bytes += self.mtp_expert_params * m.dtype_bytes + self.mtp_router_grad_bytes
 
     # ---- which layers ---------------------------------------------------------------------
     def block_layers(self, layer: int) -> list[int]:
@@ -179,66 +175,30 @@ class DenseLayers:
         copies = sum(self._attention_copies + (0.0 if shape.is_moe_layer(i) else self._ffn_copies) for i in layers)
         return forward, backward, act, act + copies
 
-    def _add_mtp(self, scenario: Scenario, shared: SharedExperts | None) -> None:
-        """The MTP modules' seconds, bytes and parameters (module doc), with the head's."""
-        s, m, t, c, shape = scenario, scenario.model, scenario.transformer, self.compute, self.shape
-        tokens, h, n = self.tokens, m.hidden_size, t.mtp_layers
-        moe = shape.mtp_ffn_is_moe
+    def _mtp_block(self) -> tuple[float, float, float, float]:
+        """(forward s, backward s, activation bytes, held bytes) of one MTP module's block
+        (module doc): its projection and its attention over the whole sequence."""
+        m, c, tokens, h = self.s.model, self.compute, self.tokens, self.s.model.hidden_size
         projection = [(2 * h, h)]
         attention = self._attention[False]
         gemm = c.gemm_time(2.0 * tokens * 2 * h * h, tokens, "dense", fp8=True) + attention[0]
-        cast_f = c.linears_cast_seconds(tokens, projection) + attention[1]
-        cast_b = c.linears_cast_seconds(tokens, projection, True) + attention[2]
-        copies = self._copies(projection) + self._attention_copies
-        act = self.layer_activation(moe) + 2 * tokens * h * m.dtype_bytes  # its layer; the projection's input
-        if moe:  # router, shared experts, routed experts on balanced routing
-            local = m.num_experts // s.parallelism.ep_size
-            rows = np.full((1, local), tokens * m.top_k * s.parallelism.ep_size / m.num_experts)
-            kernel = s.sim.expert_kernel
-            router = c.router_time(tokens, h, m.num_experts)
-            experts_f = float(c.expert_times(rows, h, m.ffn_hidden_size, kernel, False, m.ffn_matrices)[0])
-            experts_b = float(c.expert_times(rows, h, m.ffn_hidden_size, kernel, True, m.ffn_matrices)[0])
-            sh_f = shared.forward_total_s if shared is not None else 0.0
-            sh_b = shared.backward_total_s if shared is not None else 0.0
-            ffn_forward = router + experts_f + sh_f
-            # the backward's own figures (the shared experts' include their recompute)
-            ffn_backward = 2.0 * router + experts_b + sh_b + ((router + experts_f) if self.recompute else 0.0)
-            if not self.recompute:
-                act += (tokens * h + tokens * m.top_k * expert_row_elements(h, m.ffn_hidden_size, m.ffn_matrices)) \
-                    * m.dtype_bytes + (shared.activation_bytes if shared is not None else 0.0)
-            expert_params = shape.expert_params
-            self.mtp_expert_params = n * local * expert_params
-            _, expert_shard, _, _ = zero_shards(s)
-            self.mtp_expert_grad_bytes = n * local * expert_params * m.dtype_bytes / expert_shard
-            self.mtp_router_grad_bytes = n * (h * m.num_experts + m.num_experts) * 4
-            self.router_params += n * (h * m.num_experts + m.num_experts)
-            copies += (local * float(linears_copy_bytes(shape.ffn_linears(m.ffn_hidden_size), m.fp8_scaling))
-                       + (shared.fp8_copy_bytes if shared is not None else 0.0)) if c.fp8 else 0.0
-        else:
-            ffn_forward = self._ffn[0] + self._ffn[1]
-            ffn_backward = 2.0 * self._ffn[0] + self._ffn[2] + (ffn_forward if self.recompute else 0.0)
-            copies += self._ffn_copies
-        head = self.head_forward_s
-        forward = gemm + cast_f + ffn_forward + head
-        backward = 2.0 * gemm + cast_b + ((gemm + cast_f) if self.recompute else 0.0) + ffn_backward + 2.0 * head
-        self.head_forward_s += n * forward
-        self.head_backward_s += n * backward
-        logits = tokens * t.vocab_size * m.dtype_bytes
-        self.head_activation_bytes += n * (act + logits)
-        self.head_held_bytes = self.head_activation_bytes + n * copies
-        self.dense_params = (shape.dense_params + n * mtp_dense_params(shape)) // s.parallelism.tp_size
+        forward = gemm + c.linears_cast_seconds(tokens, projection) + attention[1]
+        backward = 2.0 * gemm + c.linears_cast_seconds(tokens, projection, True) + attention[2] \
+            + (forward if self.recompute else 0.0)
+        act = self.layer_activation(True) + 2 * tokens * h * m.dtype_bytes  # its layer; the projection's input
+        return forward, backward, act, act + self._copies(projection) + self._attention_copies
 
-    # ---- one block, for a glance: the last MoE layer's --------------------------------------
+    # ---- one block, for a glance: the model's last MoE layer's ------------------------------
     @property
     def block_forward_s(self) -> float:
-        """Forward seconds of the last MoE layer's block (every block's without dense-first
-        layers and sliding windows)."""
-        return self.forward_s[-1]
+        """Forward seconds of the model's last MoE layer's block (every block's without
+        dense-first layers and sliding windows; the MTP modules' are after it)."""
+        return self.forward_s[self.s.model.num_layers - 1]
 
     @property
     def block_backward_s(self) -> float:
-        return self.backward_s[-1]
+        return self.backward_s[self.s.model.num_layers - 1]
 
     @property
     def block_activation_bytes(self) -> float:
-        return self.activation_bytes[-1]
+        return self.activation_bytes[self.s.model.num_layers - 1]

@@ -11,8 +11,10 @@ runs m micro-batches of ``tokens_per_rank / m`` tokens through the stages:
    timeline gives one micro-batch's forward and backward seconds on the stage's slowest
    GPU, and the tail after the backward (what the gradient sync leaves exposed, the
    optimizer). Every stage is taken to be that one, except that only the last computes
-   the output head and the loss (and the MTP modules; their seconds come off the
-   others), only the first the dense-first layers (``transformer.first_dense_layers``;
+   the output head and the loss and the MTP modules (the MoE layers after the stage's
+   own, ``testbed.policy.mtp_layers``: their forward and backward spans on the
+   simulated stage's slowest GPU, ``mtp_seconds``; theirs and the head's seconds come off
+   the others), only the first the dense-first layers (``transformer.first_dense_layers``;
    theirs come off the others), and each of its v chunks takes 1/v of it.
 2. A micro-batch's activations (and, backward, their gradients: tokens x hidden in
    ``model.dtype`` per GPU) cross each stage boundary as point-to-point sends from every
@@ -28,8 +30,9 @@ heat run once per step), bytes times p (every stage moves its own); the share of
 step from fitted constants, of the whole step (``whole_step_fitted_share``); the memory peak
 holds as many micro-batches' activations as the schedule keeps in flight on stage 0
 (``in_flight / v`` of the stage's). Left out: differences between stages other than
-the head and the dense-first layers' seconds (the embedding's weights are counted on every stage, and the
-dense-first layers' weights and activations, those of stage 0, whose memory is reported), stages' traffic sharing
+the head, MTP and dense-first layers' seconds (the embedding's weights are counted on every stage, and the
+dense-first layers' and the MTP modules' layers' weights and activations, their logits aside, on stage 0,
+whose memory is reported), stages' traffic sharing
 links with each other, and the sends' own bytes in the byte counts (they are in
 ``extra["pipeline"]``). The network counters (wire bytes, link utilisation, hottest
 links) saw one stage's micro-batch, so a pipelined run reports none.
@@ -50,6 +53,7 @@ from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
 from sim.step.step_report import fitted_by_rank
 from testbed.policy.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce
+from testbed.policy.mtp_layers import mtp_modules
 from testbed.run.results import StepRecord
 from testbed.scenario.scenario import Scenario
 
@@ -105,6 +109,19 @@ def whole_step_fitted_share(phases: list[Phase], tl, micro_batches: int, step_ti
     return float(fitted.max() / step_time_s)
 
 
+def mtp_seconds(phases: list[Phase], tl, main_layers: int, head_phases: range) -> tuple[float, float]:
+    """(forward, backward) seconds of the MTP modules' layers on the simulated stage: on
+    each GPU the span of the micro-batch phases of its MoE layers past ``main_layers``
+    (the output head's, ``head_phases``, aside), forward and backward, the most of any
+    GPU; (0, 0) without them."""
+    out = []
+    for stages in (set(MICRO_BATCH_STAGES) - set(BACKWARD_STAGES), set(BACKWARD_STAGES)):
+        mine = [i for i, ph in enumerate(phases) if ph.layer >= main_layers and ph.stage in stages
+                and i not in head_phases]
+        out.append(float((tl.end[mine].max(axis=0) - tl.start[mine].min(axis=0)).max()) if mine else 0.0)
+    return out[0], out[1]
+
+
 def micro_batch_times(phases: list[Phase], tl, step_time_s: float) -> MicroBatchTimes:
     """Split the stage's simulated step at the first backward phase and the last one."""
     back = [i for i, ph in enumerate(phases) if ph.stage in BACKWARD_STAGES]
@@ -116,22 +133,29 @@ def micro_batch_times(phases: list[Phase], tl, step_time_s: float) -> MicroBatch
 class PipelinedStep:
     """Turns the simulated stage's step into the pipelined step of the whole scenario."""
 
-    def __init__(self, scenario: Scenario, profile, head):
-        """``head``: the simulated stage's ``DenseLayers`` (the output head's seconds and logits)."""
+    def __init__(self, scenario: Scenario, profile, builder):
+        """``builder``: the simulated stage's ``PhaseBuilder`` (its ``DenseLayers``: the output
+        head's seconds and logits; the head's phases of the step it built)."""
         self.s = scenario
         self.send_s, self.send_bytes = boundary_send_seconds(scenario, profile)
+        self.builder = builder
+        head = builder.dense
         self.head = (head.head_forward_s, head.head_backward_s)
         self.first_dense = head.first_dense_s  # (forward, backward) seconds of the dense-first layers
         self.logits_bytes = head.head_activation_bytes
         self.rs_as_ar = reduce_scatter_runs_as_all_reduce(profile)  # gloo: testbed.policy.collectives
 
-    def schedule(self, times: MicroBatchTimes):
-        """The step's pipeline schedule from one micro-batch's stage times."""
+    def schedule(self, times: MicroBatchTimes, mtp: tuple[float, float] = (0.0, 0.0)):
+        """The step's pipeline schedule from one micro-batch's stage times; ``mtp``: the MTP
+        modules' layers' (forward, backward) seconds in them (``mtp_seconds``)."""
         p, v, m = self.s.parallelism.pp_size, self.s.parallelism.pp_chunks, self.s.transformer.micro_batches
         fwd = np.full((p, v), times.forward_s)
         bwd = np.full((p, v), times.backward_s)
         fwd[:-1] -= self.head[0]  # only the last stage computes the output head and the loss
         bwd[:-1] -= self.head[1]
+        if mtp_modules(self.s):  # and the MTP modules
+            fwd[:-1] -= mtp[0]
+            bwd[:-1] -= mtp[1]
         if self.first_dense[0]:  # only the first the dense-first layers
             fwd[1:] -= self.first_dense[0]
             bwd[1:] -= self.first_dense[1]
@@ -145,7 +169,9 @@ class PipelinedStep:
         s = self.s
         p, v, m = s.parallelism.pp_size, s.parallelism.pp_chunks, s.transformer.micro_batches
         times = micro_batch_times(phases, tl, record.step_time_s)
-        sched = self.schedule(times)
+        b = self.builder
+        sched = self.schedule(times, mtp_seconds(phases, tl, b.dense.s.model.num_layers, b.head_phases)
+                              if mtp_modules(self.s) else (0.0, 0.0))
         record.step_time_s = sched.makespan_s + times.tail_s
         record.fitted_share = whole_step_fitted_share(phases, tl, m, record.step_time_s)
         record.stage_time_s = {st: t * (m if st in MICRO_BATCH_STAGES else 1) for st, t in record.stage_time_s.items()}

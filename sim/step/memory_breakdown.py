@@ -7,20 +7,24 @@ phases' memory annotations use, for the GPU whose simulated memory peaked highes
   or every local expert unpaged);
 - ``parameters``: the other weights (routers; the shared experts and the routed experts'
   biases; with the whole transformer attention, dense FFNs, embeddings and the MTP
-  modules, their routed experts included), and with fp8 GEMMs the fp8 copies of the
+  modules' projections and attentions), and with fp8 GEMMs the fp8 copies of the
   weights the step computes with (each layer's, held from its forward to its backward);
 - ``gradients``: every gradient the backward makes (the experts that computed, routers,
-  shared experts, the dense blocks', the MTP modules'), held until the optimizer step;
+  shared experts, the dense blocks'), held until the optimizer step;
 - ``optimizer_state``: Adam's fp32 master weights and moments of everything the GPU holds
   (``transformer.optimizer = adam``), its ZeRO shard (``transformer.zero_stage``), none
   for plain SGD;
 - ``activations``: what every layer's forward keeps for its backward (MoE layers: the
   input, each expert row's input, first GEMM's output and output, the shared experts';
-  with the whole transformer also the dense blocks', the MTP modules' and the logits);
+  with the whole transformer also the dense blocks' and the logits);
 - ``comm_buffers``: the largest send and receive buffers of one batch of concurrent
   collectives (a phase's), of every stage, tensor-parallel ones included;
 - ``communicators``: the communicators it holds (M10), ``collectives.communicator_MiB``
   each.
+
+Every MoE layer the controller plans is counted, the MTP modules' too
+(``testbed.policy.mtp_layers``: their routed experts are paged, their routers and shared
+experts held, as every MoE layer's; their projections and attentions are dense blocks).
 
 The categories are not all at their most at one moment (activations peak at the end of
 the forward, gradients at the end of the backward), so their sum bounds the timeline's
@@ -59,8 +63,6 @@ def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, floa
         activations += grouped_sum(dense.activation_bytes, lambda v: v) + dense.head_activation_bytes
     if t.enabled or shared.enabled:
         gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers)) / dense_shard
-    if t.enabled and t.mtp_layers:
-        gradients += dense.mtp_expert_grad_bytes + dense.mtp_router_grad_bytes
     # the largest buffers of one collective phase: what the phases hold while their ops run
     buffers = max((float(ph.mem_transient[rank]) for ph in phases if ph.mem_transient is not None), default=0.0)
     return {"expert_pages": float(sim.expert_weight_bytes()[rank]), "parameters": params, "gradients": float(gradients),

@@ -14,6 +14,11 @@ then:                active-group discovery (M10), communicator creation, expert
                      dense_sync (one all-reduce per gradient bucket), optimizer, heat,
                      paging
 
+The layers are the MoE layers the controller plans (``testbed.policy.mtp_layers``): the
+model's L and, with MTP modules (``transformer.mtp_layers`` D), module d's as layer
+L + d, its block its projection and attention (``sim.hardware.dense_layers``); the
+output head (the model's and each module's) runs after MoE layer L + D - 1.
+
 Overlap (M22): with ``overlap.micro_batches = n > 1`` the token exchange and the experts
 of a layer (forward and backward) run as n micro-batches, the collectives on the comm
 stream and the experts on the compute stream, so one micro-batch's all-to-all overlaps
@@ -90,10 +95,14 @@ class PhaseBuilder:
                  host_s: dict[str, float] | None = None,
                  copy_time: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
                  scale_fitted: bool = False, sm_count: int = 0,
-                 op_seconds: Callable[[list[CollectiveOp]], np.ndarray] | None = None):
-        """``copy_overlap``: the profile's ``copy.overlap`` (``sim.step.phases``);
-        ``copy_time(h2d, d2h, pages)``: [W] seconds of a copy of those bytes and pages on
-        each rank's PCIe links, as the executors time it (needed when 0 < copy_overlap < 1);
+                 op_seconds: Callable[[list[CollectiveOp]], np.ndarray] | None = None,
+                 model: Scenario | None = None):
+        """``scenario``: the controller's (its MoE layers, ``testbed.policy.mtp_layers``);
+        ``model``: the model's, when that is not ``scenario`` (MTP modules; the dense work's
+        figures are the model's, ``sim.hardware.dense_layers``); ``copy_overlap``: the
+        profile's ``copy.overlap`` (``sim.step.phases``); ``copy_time(h2d, d2h, pages)``:
+        [W] seconds of a copy of those bytes and pages on each rank's PCIe links, as the
+        executors time it (needed when 0 < copy_overlap < 1);
         ``scale_fitted``: the compute model's contention factor is fitted, not measured at
         this world (``sim.hardware.software_latency.compute_scale_fitted``), so every compute
         second is; ``sm_count``: the profile's ``compute.sm_count`` (deepep, module doc);
@@ -125,10 +134,11 @@ class PhaseBuilder:
         self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
         self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
-        self.dense = DenseLayers(scenario, compute, self.shared)  # the whole transformer's non-MoE work (issue 13)
+        self.dense = DenseLayers(model or scenario, compute)  # the whole transformer's non-MoE work (issue 13)
         self.zero = zero_shards(scenario)  # ZeRO: (dense state, expert state, dense grad, expert grad) shards
         #: bytes of each layer block's gradients a GPU keeps (its ZeRO-2 shard): the whole transformer's
-        #: dense ones and the shared experts' (freed by the optimizer), the dense ones alone (dense_backward's)
+        #: dense ones and the shared experts' (freed by the optimizer), the dense ones alone (dense_backward's);
+        #: over the controller's layers, as its planner's buckets sum them
         self.block_grads = [block_grad_bytes(scenario, layer) / self.zero[2] for layer in range(m.num_layers)]
         self.shared_grads = shared_expert_grad_bytes(scenario) / self.zero[2]
         self.dense_block_grads = [g - self.shared_grads for g in self.block_grads]
@@ -212,7 +222,7 @@ class PhaseBuilder:
         prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
         dense = self.dense
         for f in d.forward:
-            if dense.enabled:  # the layer's attention and the dense layers before it
+            if dense.enabled:  # the layer's attention and the dense layers before it (MTP: projection, attention)
                 self.host("dense", f.layer, tokens)
                 self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.forward_s[f.layer]),
                            mem_delta=np.full(w, dense.held_bytes[f.layer]))
@@ -245,14 +255,18 @@ class PhaseBuilder:
             self.exchange(f.layer, ("dispatch", f.dispatch_ops), ("experts", x_seconds, held[f.layer], x_fitted),
                           ("combine", f.combine_ops), n, copy, pipeline=pipe,
                           shared=self.shared_parts(backward=False))
+        #: the output head's phases (its forward and backward, their host work): those after the
+        #: last MoE layer's forward (sim.pipeline.run tells them from the MTP modules' layers')
+        self.head_phases = range(len(self.phases), len(self.phases))
         if dense.enabled:  # the output head and the loss, forward then backward
+            head_from = len(self.phases)
             self.host("dense", m.num_layers - 1, tokens)
             self.chain("dense", m.num_layers - 1, "compute", "compute", seconds=np.full(w, dense.head_forward_s),
                        mem_delta=np.full(w, dense.head_held_bytes))
             self.host("dense_backward", m.num_layers - 1, tokens)
-            mtp_grads = dense.mtp_expert_grad_bytes + dense.mtp_router_grad_bytes  # the MTP modules' own (0 without)
             self.chain("dense_backward", m.num_layers - 1, "compute", "compute",
-                       seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, mtp_grads - dense.head_held_bytes))
+                       seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, -dense.head_held_bytes))
+            self.head_phases = range(head_from, len(self.phases))
         sync_phases: list[int] = []
         overlap_sync = s.overlap.sync_with_backward
         creating = self.creation_seconds(d.sync)
@@ -312,8 +326,6 @@ class PhaseBuilder:
         all_grads = sum(grads.values()) + self.router_grad_bytes * m.num_layers
         if dense.enabled or self.shared.enabled:
             all_grads = all_grads + sum(self.block_grads)
-        if dense.enabled and s.transformer.mtp_layers:
-            all_grads = all_grads + dense.mtp_expert_grad_bytes + dense.mtp_router_grad_bytes
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads,
                              fitted_s=update)
         self.host("heat", -1, np.zeros(w))
@@ -343,7 +355,7 @@ class PhaseBuilder:
             return np.array([self.compute.optimizer_time(b + router_bytes + dense)
                              for b in n_updated * self.expert_update_bytes])
         dense_shard, expert_shard, _, _ = self.zero  # ZeRO: each rank updates its shard
-        experts = n_updated * (m.expert_params + self.expert_bias_params) + self.dense.mtp_expert_params
+        experts = n_updated * (m.expert_params + self.expert_bias_params)
         params = experts / expert_shard + (self.dense.dense_params + self.dense.router_params + shared) / dense_shard
         return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
 

@@ -40,11 +40,12 @@ are written once. The formulas and their sources:
 
 from __future__ import annotations
 
+from testbed.policy.mtp_layers import mtp_block_params, mtp_modules
 from testbed.policy.transformer_shape import TransformerShape, attention_core_flops
 
 __all__ = ["ADAM_MIXED_BYTES", "TransformerShape", "activation_bytes_per_layer", "attention_core_flops",
            "block_grad_bytes", "bubble_fraction", "expert_row_elements", "layer_activation_bytes", "mfu",
-           "moe_layer_shape", "moe_stack_step_flops", "mtp_dense_params", "optimizer_bytes_per_param", "shape_of",
+           "moe_layer_shape", "moe_stack_step_flops", "optimizer_bytes_per_param", "shape_of",
            "shared_expert_grad_bytes", "zero_shards"]
 
 #: bytes per parameter of mixed-precision Adam: bf16 weight, bf16 gradient, fp32 master, m, v
@@ -191,32 +192,31 @@ def shared_expert_grad_bytes(scenario) -> int:
     return moe_layer_shape(scenario).shared_expert_params * m.dtype_bytes if m.shared_experts else 0
 
 
-def mtp_dense_params(shape: TransformerShape) -> int:
-    """Parameters of one MTP module besides its norms, routers and routed experts: the
-    projection 2H x H, its layer's attention and its dense FFN or shared experts."""
-    ffn = shape.shared_expert_params if shape.mtp_ffn_is_moe else shape.dense_ffn_params
-    return 2 * shape.hidden * shape.hidden + shape.attention_params + ffn
-
-
 def block_grad_bytes(scenario, layer: int) -> int:
     """Bytes of the gradients of MoE layer ``layer``'s block besides its router, on one
-    GPU: with the whole transformer (1/tp of them under tensor parallelism) its attention
-    and dense FFNs, with layer 0 the dense-first layers' (``transformer.first_dense_layers``)
-    and the input embedding's (ready last; a tied embedding is both, complete there), with
-    the last layer the output head's and the MTP modules' (``mtp_dense_params``; ready
-    first in the backward); and the layer's shared experts' (``shared_expert_grad_bytes``,
-    whole, the MoE stack's too). The sum the planner's ``dense_sync`` buckets all-reduce."""
+    GPU, ``scenario`` the controller's (``testbed.policy.mtp_layers.controller_scenario``:
+    the model's, and with D MTP modules its last D MoE layers theirs): with the whole
+    transformer (1/tp of them under tensor parallelism) its attention and dense FFNs (an
+    MTP module's MoE layer none), with layer 0 the dense-first layers'
+    (``transformer.first_dense_layers``) and the input embedding's (ready last; a tied
+    embedding is both, complete there), with the last layer the output head's and the MTP
+    modules' projections and attentions (``mtp_block_params``; ready first in the
+    backward); and the layer's shared experts' (``shared_expert_grad_bytes``, whole, the
+    MoE stack's too). The sum the planner's ``dense_sync`` buckets all-reduce."""
     t, m = scenario.transformer, scenario.model
     shared = shared_expert_grad_bytes(scenario)
     if not t.enabled:
         return shared
     shape = shape_of(scenario)
-    out = (t.moe_every * shape.attention_params + (t.moe_every - 1) * shape.dense_ffn_params) * m.dtype_bytes
+    mtp = mtp_modules(scenario)
+    out = 0
+    if layer < m.num_layers - mtp:  # the model's MoE layers: their blocks
+        out = (t.moe_every * shape.attention_params + (t.moe_every - 1) * shape.dense_ffn_params) * m.dtype_bytes
     embedding = t.vocab_size * m.hidden_size * m.dtype_bytes
     if layer == m.num_layers - 1 and not t.tied_embeddings:
         out += embedding
-    if layer == m.num_layers - 1 and t.mtp_layers:
-        out += t.mtp_layers * mtp_dense_params(shape) * m.dtype_bytes
+    if layer == m.num_layers - 1 and mtp:
+        out += mtp * mtp_block_params(shape) * m.dtype_bytes
     if layer == 0:
         out += embedding + t.first_dense_layers * (shape.attention_params + shape.dense_ffn_params) * m.dtype_bytes
     return out // scenario.parallelism.tp_size + shared  # each tensor-parallel rank holds 1/tp of them

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from real.backend import RealBackend
-from real.rank.mtp import controller_scenario, tokens_ahead
+from real.rank.mtp import tokens_ahead
 from real.rank.reference import reference_run
 from testbed.core.errors import ScenarioError
+from testbed.policy.mtp_layers import controller_scenario
 from testbed.scenario.scenario import Scenario
 
 

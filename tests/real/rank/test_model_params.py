@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from real.rank.dense_model import DenseModel
-from real.rank.mtp import controller_scenario, mtp_modules
 from real.rank.rank_state import initial_expert_flat, initial_router
 from real.rank.shared_experts import SharedExperts
 from testbed.policy.model_card import param_count
+from testbed.policy.mtp_layers import controller_scenario, mtp_modules
 from testbed.policy.whole_model import shape_of
 from testbed.scenario.file import load_scenario
 from testbed.scenario.scenario import Scenario
@@ -31,7 +31,7 @@ def numel(named) -> int:
 def real_params(s: Scenario) -> dict[str, int]:
     """The real model's parameters by the card's components, counted from the tensors its
     constructors make (``DenseModel``, ``SharedExperts``, the routers and expert flats)."""
-    m, t = s.model, s.transformer
+    m = s.model
     layers, d = m.num_layers, mtp_modules(s)
     dense = DenseModel(s, FP32, CPU)
     shared = SharedExperts(controller_scenario(s), layers + d, FP32, CPU) if m.shared_experts else None

@@ -192,22 +192,60 @@ def test_fp8_gemms_need_an_fp8_ceiling():
         SimBackend().check(s)
 
 
-def test_mtp_adds_one_layer_and_one_head(flat):
-    """One MTP module after the last MoE layer: its projection 2H x H, one layer (attention
-    over the whole sequence; MoE, as the last layer is: the router and the rank's experts on
-    balanced routing, T K rows) and the shared head once more."""
-    (plain, a), (mtp, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, transformer={"mtp_layers": 1}))
-    attention = dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
-    module = dense(2 * T * 2 * H * H) + attention + dense(2 * T * H * E) \
-        + 4 * T * K * H * F / (PEAK * GROUPED) + dense(2 * T * H * V)
-    assert mtp.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(module, rel=1e-9)
+def test_an_mtp_module_is_one_more_moe_layer_and_one_more_head(flat):
+    """One MTP module after the last MoE layer is MoE layer 2 of the controller's
+    (``testbed.policy.mtp_layers``): its block is its projection 2H x H and its attention
+    over the whole sequence, its MoE FFN the router and the experts on the rows routed to
+    them (T k on the one GPU, as each of the model's two layers), and the shared head runs
+    once more."""
+    plain, a = run(scenario(flat, whole=True))
+    mtp, b = run(scenario(flat, whole=True, transformer={"mtp_layers": 1}))
+    block = dense(2 * T * 2 * H * H) + dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
+    head = dense(2 * T * H * V)
+    assert mtp.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(block + head, rel=1e-9)
     assert mtp.stage_time_s["dense_backward"] - plain.stage_time_s["dense_backward"] == pytest.approx(
-        2 * module, rel=1e-9)
-    weights = (2 * H * H + 2 * H * H + 2 * H * 32 + E * 2 * H * F) * 2 + (H * E + E) * 4
-    assert b["parameters"] - a["parameters"] == weights
+        2 * (block + head), rel=1e-9)
+    assert mtp.stage_time_s["route"] - plain.stage_time_s["route"] == pytest.approx(dense(2 * T * H * E), rel=1e-9)
+    experts = 4 * T * K * H * F / (PEAK * GROUPED)
+    assert mtp.stage_time_s["experts"] - plain.stage_time_s["experts"] == pytest.approx(experts, rel=1e-9)
+    assert mtp.stage_time_s["experts_backward"] - plain.stage_time_s["experts_backward"] == pytest.approx(
+        2 * experts, rel=1e-9)
+    # its routed experts are a layer's pages (all 8 on the one GPU); its projection, attention and router the rest
+    assert b["expert_pages"] - a["expert_pages"] == E * 2 * H * F * 2
+    assert b["parameters"] - a["parameters"] == (2 * H * H + 2 * H * H + 2 * H * 32) * 2 + (H * E + E) * 4
+    # every expert computed; the projection's and attention's gradients with the head's
+    assert b["gradients"] - a["gradients"] == E * 2 * H * F * 2 + (2 * H * H + 2 * H * H + 2 * H * 32) * 2 \
+        + (H * E + E) * 4
     layer = 34 * T * H * 2 / 2  # Korthikanti's standard layer (an MoE one), bf16
     rows = (T * H + T * K * (2 * H + F)) * 2
     assert b["activations"] - a["activations"] == layer + 2 * T * H * 2 + rows + T * V * 2
+
+
+@pytest.mark.parametrize("router", [{}, {"score": "sigmoid", "expert_groups": 4, "groups_per_token": 2,
+                                         "bias_update_rate": 0.001}], ids=["counts", "scored"])
+def test_an_mtp_run_plans_the_moe_layers_of_a_model_one_layer_deeper(flat, router):
+    """The MoE layers the controller plans with D = 1 MTP module are those of the same model
+    with L + D = 3 MoE layers and no MTP: under the synthetic workload's routing (drawn
+    count by count, or token by token from the router's scores with V3's group limit and
+    bias balancing) every token stage, the expert sync, the pages and the heat move the
+    same bytes, to the byte, over 3 steps on 4 GPUs (EP 2 x 2 replicas, paged); the dense
+    sync differs by the blocks (the MTP module's projection and attention against a
+    layer's block)."""
+    s = scenario(flat, gpus=4, whole=True, parallelism={"ep_size": 2}, router=router,
+                 pager={"enabled": True, "page_size_bytes": "16KiB", "gpu_budget_bytes": "160KiB"},
+                 workload={"skew": 1.0, "seed": 7}, run={"steps": 3})
+    mtp, deeper, model = (SimBackend().run(x) for x in (
+        s.replace(transformer={"mtp_layers": 1}), s.replace(model={"num_layers": 3}), s))
+    assert mtp.routing.routed.shape[1] == 3
+    assert np.array_equal(mtp.routing.routed, deeper.routing.routed)
+    for got, want in zip(mtp.records, deeper.records):
+        assert got.bytes_by_stage["dispatch"] == want.bytes_by_stage["dispatch"] > 0
+        assert {k: v for k, v in got.bytes_by_stage.items() if k != "dense_sync"} == \
+            {k: v for k, v in want.bytes_by_stage.items() if k != "dense_sync"}
+        assert got.page_moves == want.page_moves and got.dropped_slots == want.dropped_slots
+    assert sum(r.page_moves for r in mtp.records) > 0 and mtp.records[0].bytes_by_stage["expert_sync"] > 0
+    # the model without its MTP module moves a layer's tokens fewer
+    assert all(m.bytes_by_stage["dispatch"] < d.bytes_by_stage["dispatch"] for m, d in zip(model.records, mtp.records))
 
 
 def test_dense_first_layers_come_before_the_first_moe_layer(flat):
@@ -329,3 +367,27 @@ def test_only_the_first_pipeline_stage_runs_the_dense_first_layers(flat, monkeyp
     fwd = seen["fwd"][:, 0]
     assert fwd[0] - fwd[1] == pytest.approx(layer - head, rel=1e-9)  # stage 0: the dense layer, not the head
     assert seen["bwd"][0, 0] - seen["bwd"][1, 0] == pytest.approx(2 * (layer - head), rel=1e-9)
+
+
+def test_only_the_last_pipeline_stage_runs_the_mtp_modules(flat, monkeypatch):
+    """Every stage is simulated as one with the MTP module's MoE layer after its own; its
+    layer's seconds (the span of its phases: its block, router and experts on the stage's
+    one GPU) and the head's, once per module more, come off all but the last stage."""
+    import sim.pipeline.run as pipeline_run
+
+    seen = {}
+
+    def capture(fwd, bwd, *args):
+        seen["fwd"], seen["bwd"] = fwd, bwd
+        return real(fwd, bwd, *args)
+
+    real = pipeline_run.run_pipeline
+    monkeypatch.setattr(pipeline_run, "run_pipeline", capture)
+    s = scenario(flat, whole=True, cluster={"nodes_per_microcluster": 2}, parallelism={"pp_size": 2},
+                 transformer={"micro_batches": 2, "mtp_layers": 1}, workload={"tokens_per_rank": 2 * T})
+    SimBackend().run(s)
+    block = dense(2 * T * 2 * H * H) + dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
+    moe = dense(2 * T * H * E) + 4 * T * K * H * F / (PEAK * GROUPED)  # the router, the experts on T k rows
+    heads = 2 * dense(2 * T * H * V)  # the model's and the module's
+    assert seen["fwd"][1, 0] - seen["fwd"][0, 0] == pytest.approx(heads + block + moe, rel=1e-9)
+    assert seen["bwd"][1, 0] - seen["bwd"][0, 0] == pytest.approx(2 * (heads + block + moe), rel=1e-9)

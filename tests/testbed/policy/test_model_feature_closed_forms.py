@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from testbed.policy import fp8_casts
+from testbed.policy.mtp_layers import controller_scenario, mtp_block_params
 from testbed.policy.transformer_shape import TransformerShape
 from testbed.policy.whole_model import (
     activation_bytes_per_layer,
     block_grad_bytes,
     expert_row_elements,
     layer_activation_bytes,
-    mtp_dense_params,
     shape_of,
     shared_expert_grad_bytes,
 )
@@ -132,11 +132,12 @@ def test_the_dense_sync_sums_the_shared_experts_dense_first_layers_and_mtp():
     attention, ffn = 4 * 64 * 64, 3 * 64 * 256  # 4 heads of 16: Q, K, V, O; the dense FFN of 4 H
     embedding = 1000 * 64
     block = (2 * attention + ffn) * 2
-    mtp = 2 * 64 * 64 + attention + shape.shared_expert_params  # the MTP layer is MoE: its shared experts
-    assert mtp_dense_params(shape) == mtp
-    assert block_grad_bytes(s, 0) == block + (embedding + 2 * (attention + ffn)) * 2 + shared
-    assert block_grad_bytes(s, 1) == block + shared
-    assert block_grad_bytes(s, 2) == block + (embedding + mtp) * 2 + shared
+    cs = controller_scenario(s)  # MoE layers 0-2 the model's, 3 the MTP module's
+    mtp = 2 * 64 * 64 + attention  # its projection and attention; its shared experts are its MoE layer's
+    assert mtp_block_params(shape) == mtp
+    assert block_grad_bytes(cs, 0) == block + (embedding + 2 * (attention + ffn)) * 2 + shared
+    assert block_grad_bytes(cs, 1) == block_grad_bytes(cs, 2) == block + shared
+    assert block_grad_bytes(cs, 3) == (embedding + mtp) * 2 + shared
     moe_stack = s.replace(transformer={"enabled": False})
     assert block_grad_bytes(moe_stack, 1) == shared  # the MoE stack's shared experts sync as well
     plain = s.replace(model={"shared_experts": 0}, transformer={"first_dense_layers": 0, "mtp_layers": 0})
