@@ -6,7 +6,10 @@ The t ranks of a tensor-parallel group (``Planner.tp_groups``: consecutive ranks
 node) each keep their own tokens between sublayers, as the MoE layers see them. Around
 every attention and dense FFN the group all-gathers its tokens, each rank computes its
 1/t of the heads (or FFN columns) on all of them, and a reduce-scatter sums the partial
-outputs and hands each rank its own rows back. The vocabulary is
+outputs and hands each rank its own rows back. The group's rows, gathered in member order,
+are whole sequences: a rank's own may be part of one (a TP group shares its micro-batch,
+``testbed.scenario.scenario``: half a sequence each with t = 2, rank 0 of the group the first
+half), and attention cuts the gathered rows into sequences in that order. The vocabulary is
 split too: each rank holds 1/t of the embedding's rows and of the output head's columns.
 
 - Embedding: the group's token ids (and targets) are all-gathered, each rank looks up the

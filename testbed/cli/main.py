@@ -298,6 +298,13 @@ def format_summary(s: dict) -> str:
         f"paging     {s['page_moves_per_step']:.1f} page moves per step",
         f"cache      {'n/a (no cached groups)' if hit is None else f'{100 * hit:.1f}% hit rate'}",
     ]
+    if s.get("batch"):
+        lines.append(f"batch      {s['batch']['text']}")
+    if s.get("groups"):
+        g = s["groups"]
+        where = f"every GPU's in {Path(s['run_dir']) / g['file']}" if s.get("run_dir") else g["file"]
+        lines.append(f"groups     {g['rank0'] or g['note']}  ({where}"
+                     + (f"; {g['note']})" if g["rank0"] and g["note"] else ")"))
     if s.get("memory_breakdown_bytes"):
         parts = " | ".join(f"{k} {format_bytes(v)}" for k, v in s["memory_breakdown_bytes"].items() if v > 0)
         lines.append(f"memory by  {parts}  (the fullest rank, each part at its most)")

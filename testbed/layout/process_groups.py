@@ -240,3 +240,18 @@ def describe_groups(groups: ProcessGroups, rank: int) -> str:
         group = rank_groups.of_kind(kind)
         parts.append(f"{kind} {_ranks_text(group) if group else '-'}")
     return f"rank {rank}: " + " ".join(parts)
+
+
+def groups_table(groups: ProcessGroups) -> dict:
+    """The layout as plain data (a run's ``groups.json``): its sizes; ``groups``, every
+    group of each kind of ``GROUP_KINDS`` once, in Megatron's order; ``member``, for each
+    kind, the index in ``groups[kind]`` of rank r's group at position r (-1: none, the
+    embedding group of a middle stage). Rank r's group of a kind is
+    ``groups[kind][member[kind][r]]``."""
+    by_kind = {kind: groups_of_kind(groups, kind) for kind in GROUP_KINDS}
+    member = {}
+    for kind, listed in by_kind.items():
+        index = {group: i for i, group in enumerate(listed)}
+        member[kind] = [index[g] if (g := groups.of(r).of_kind(kind)) else -1 for r in range(groups.world)]
+    sizes = {k: getattr(groups, k) for k in ("world", "tp", "cp", "pp", "ep", "etp", "moe_layout", "dp", "edp")}
+    return {**sizes, "groups": {k: [list(g) for g in v] for k, v in by_kind.items()}, "member": member}

@@ -47,7 +47,7 @@ FEATURES: dict[str, Feature] = {
     "transformer.mtp_layers": Feature(lambda s: s.transformer.enabled and s.transformer.mtp_layers > 0, sim=True, real=True),
     "comm.token_strategy": Feature(lambda s: s.comm.token_strategy == "deepep", sim=True, real=True),
     # Megatron-Core's and DeepSeek's layouts (issue 25)
-    "workload.global_batch": Feature(lambda s: s.workload.global_batch > 0),
+    "workload.global_batch": Feature(lambda s: s.workload.global_batch > 0, sim=True, real=True),
     "parallelism.cp_size": Feature(lambda s: s.parallelism.cp_size > 1),
     "parallelism.etp_size": Feature(lambda s: s.parallelism.etp_size > 1),
     "parallelism.moe_layout": Feature(lambda s: s.parallelism.moe_layout != "folded"),

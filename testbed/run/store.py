@@ -5,7 +5,8 @@ hex>`` (``new_run_id``), so a rerun of a scenario, even one stopped after a few 
 touches an earlier run. The folder holds ``scenario.toml`` (the resolved scenario),
 ``steps.jsonl`` (one StepRecord per line, written as each step completes, so a stopped run
 keeps its steps), ``summary.json`` (``"complete": false`` when the run was stopped),
-``trace.json`` (Chrome / Perfetto trace) and ``routing.npz`` (the routing trace).
+``trace.json`` (Chrome / Perfetto trace), ``routing.npz`` (the routing trace) and
+``groups.json`` (every GPU's process groups, ``testbed.run.runner``).
 
 Nothing is written before the backend delivers its first step: a run refused before that
 (a bad option, no privileges, nothing to resume) leaves no folder, and a refused
@@ -45,6 +46,8 @@ INDEX = "index.jsonl"
 RESUMABLE_CHANGES = ("run.steps", "run.warmup_steps", "run.output_dir", "real.")
 #: what makes a folder a run folder
 SCENARIO_FILE, SUMMARY_FILE, STEPS_FILE, TRACE_FILE = "scenario.toml", "summary.json", "steps.jsonl", "trace.json"
+#: every GPU's process groups (``testbed.run.runner.process_groups_file``)
+GROUPS_FILE = "groups.json"
 
 
 def scenario_hash(scenario: Scenario) -> str:
@@ -224,7 +227,9 @@ class RunWriter:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def finish(self, summary: dict, trace_events: list[dict], routing: RoutingTrace | None,
-               complete: bool = True) -> None:
+               complete: bool = True, files: dict[str, str] | None = None) -> None:
+        """Write the run's last files: ``files`` (name -> text, each written whole), the
+        trace, the routing and, last, the summary (``complete`` or not)."""
         if self._steps is None:
             self.continue_from(self._old[-1].step + 1 if self._old else 0)
         self._steps.close()
@@ -234,6 +239,8 @@ class RunWriter:
                                                        separators=(",", ":")))
         if routing is not None:
             routing.save(self.dir)
+        for name, text in (files or {}).items():
+            write_atomic(self.dir / name, text)
         write_atomic(self.dir / SUMMARY_FILE, json.dumps(summary, indent=1))  # last: the run is whole
         _index_line(self.output_dir, self.dir, self.scenario, self.backend, complete=complete)
 

@@ -5,6 +5,25 @@ router, pager, heat, comm, overlap, workload, run, checkpoint, sim, real, transf
 its faults and its notes. Validation of a single field sits next to the field; the checks
 across fields are ``Scenario.validate``. Every error is a ``ScenarioError`` naming the
 dotted field and the value.
+
+**The batch.** Each GPU routes ``workload.tokens_per_rank`` tokens per step and MoE layer in
+``transformer.micro_batches`` micro-batches. With ``workload.global_batch`` > 0 both are
+derived from the batch as Megatron-Core defines it (``testbed.layout.batch.megatron_batch``:
+``global_batch`` sequences of ``transformer.seq_len`` a step, ``workload.micro_batch_size``
+of them a micro-batch of each data-parallel rank) when the scenario is built
+(``resolve_batch``), so the resolved scenario states them and everything downstream reads
+them as it always has.
+
+**Sequences.** Attention spans whole sequences of ``transformer.seq_len``. Without tensor
+parallelism, or with it but without sequence parallelism, each GPU's tokens of a
+micro-batch are whole sequences of its own. With ``parallelism.tp_size`` t > 1 and
+``sequence_parallel`` a TP group shares its micro-batch (Megatron-Core): its t x
+tokens_per_rank / micro_batches tokens must be whole sequences, each GPU holding the
+next 1/t of them in member order (rank 0 of the group the first), all-gathered in that
+order before every attention. Megatron-Core splits each sequence of a micro-batch by
+position over the t GPUs instead (``[s, b, h]`` along s): with one sequence a micro-batch
+the rows are the same; with more, each GPU holds as many of the micro-batch's tokens either
+way (what the simulator counts), other positions of them.
 """
 
 from __future__ import annotations
@@ -14,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.core.errors import ScenarioError
+from testbed.layout.batch import megatron_batch
 from testbed.scenario.fields import build_section, unknown
 from testbed.scenario.presets import fill_model_tables
 from testbed.scenario.router_checks import check_router
@@ -97,6 +117,7 @@ class Scenario:
                 raise ScenarioError(name, value, "expected a table [" + name + "]")
             sections[name] = build_section(name, SECTIONS[name], value)
         scenario = cls(**sections, notes=data.get("notes", ""))
+        resolve_batch(scenario, data)
         scenario.validate()
         return scenario
 
@@ -109,8 +130,21 @@ class Scenario:
         return out
 
     def replace(self, **changes: dict) -> "Scenario":
-        """A copy with some fields changed: ``s.replace(comm={"token_strategy": "allgather"})``."""
+        """A copy with some fields changed: ``s.replace(comm={"token_strategy": "allgather"})``.
+
+        With ``workload.global_batch`` > 0 the fields it derives (``DERIVED_BY_BATCH``) are
+        derived again for the copy (a change of ``parallelism.tp_size`` or ``cluster`` changes
+        them), unless the changes give one of them and not ``global_batch``: then the copy
+        runs those per-GPU figures, with ``global_batch = 0`` (what a pipeline stage's
+        scenario does, ``testbed.policy.pipeline_stages``)."""
         data = self.to_dict()
+        if self.workload.global_batch:
+            given = any(key in changes.get(section, {}) for section, key in DERIVED_BY_BATCH)
+            if given and "global_batch" not in changes.get("workload", {}):
+                data["workload"].update(global_batch=0, micro_batch_size=1)
+            else:
+                for section, key in DERIVED_BY_BATCH:
+                    del data[section][key]
         for section, fields in changes.items():
             data.setdefault(section, {}).update(fields)
         return Scenario.from_dict(data)
@@ -162,9 +196,7 @@ class Scenario:
                 raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")
             if t.num_heads % t.kv_heads:
                 raise ScenarioError("transformer.num_kv_heads", t.num_kv_heads, f"does not divide transformer.num_heads = {t.num_heads}")
-            if self.workload.tokens_per_rank % t.seq_len:
-                raise ScenarioError("transformer.seq_len", t.seq_len,
-                                    f"does not divide workload.tokens_per_rank = {self.workload.tokens_per_rank}")
+            _check_sequences(self)
 
 
 def _check_pipeline(s: "Scenario") -> None:
@@ -188,9 +220,16 @@ def _check_pipeline(s: "Scenario") -> None:
     if p.pp_chunks > 1 and t.micro_batches % p.pp_size:
         raise ScenarioError("transformer.micro_batches", t.micro_batches,
                             f"the interleaved schedule needs a multiple of parallelism.pp_size = {p.pp_size}")
-    if s.workload.tokens_per_rank % (t.micro_batches * t.seq_len):
+    tokens = s.workload.tokens_per_rank
+    if shares_sequences(s):  # the TP group's micro-batch, not each GPU's, is whole sequences
+        if tokens % t.micro_batches or p.tp_size * (tokens // t.micro_batches) % t.seq_len:
+            raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
+                                f"{tokens}: a micro-batch of the tensor-parallel group, parallelism.tp_size x "
+                                f"tokens_per_rank / micro_batches = {p.tp_size} x {tokens} / {t.micro_batches}, "
+                                f"is not a whole number of transformer.seq_len = {t.seq_len} sequences")
+    elif tokens % (t.micro_batches * t.seq_len):
         raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
-                            f"{s.workload.tokens_per_rank} is not a multiple of micro_batches x seq_len")
+                            f"{tokens} is not a multiple of micro_batches x seq_len")
     refused = (("pager.enabled", s.pager.enabled, "paging across micro-batches is not modelled"),
                ("workload.trace", s.workload.trace, "a trace holds whole steps' routing, not one stage's"),
                ("overlap.micro_batches", s.overlap.micro_batches if s.overlap.micro_batches > 1 else 0,
@@ -198,6 +237,73 @@ def _check_pipeline(s: "Scenario") -> None:
     for name, value, why in refused:
         if value:
             raise ScenarioError(name, value, f"with pipeline parallelism or transformer.micro_batches: {why}")
+
+
+def shares_sequences(s: "Scenario") -> bool:
+    """A tensor-parallel group shares its micro-batch's sequences (module doc): the whole
+    transformer with ``parallelism.tp_size`` > 1 and ``sequence_parallel``."""
+    return s.transformer.enabled and s.parallelism.tp_size > 1 and s.parallelism.sequence_parallel
+
+
+def holds_part_of_a_sequence(s: "Scenario") -> bool:
+    """Each GPU's tokens of a micro-batch are not whole sequences (its TP group's are)."""
+    t = s.transformer
+    return t.enabled and (s.workload.tokens_per_rank // t.micro_batches) % t.seq_len != 0
+
+
+def _check_sequences(s: "Scenario") -> None:
+    """Attention's sequences are whole (module doc): each GPU's tokens, or with sequence
+    parallelism its tensor-parallel group's; what needs each GPU's own sequences is refused
+    where they are not."""
+    t, tokens = s.transformer, s.workload.tokens_per_rank
+    share = s.parallelism.tp_size if shares_sequences(s) else 1  # GPUs whose tokens attention sees together
+    if share == 1 and tokens % t.seq_len:
+        raise ScenarioError("transformer.seq_len", t.seq_len, f"does not divide workload.tokens_per_rank = {tokens}")
+    if share * tokens % t.seq_len:
+        raise ScenarioError("transformer.seq_len", t.seq_len, f"does not divide the tensor-parallel group's tokens "
+                            f"a step, parallelism.tp_size x workload.tokens_per_rank = {share} x {tokens}")
+    if holds_part_of_a_sequence(s) and s.router.seq_aux_loss_coef > 0:
+        # Megatron-Core all-reduces a sequence's expert counts over the GPUs it is split over
+        # (moe_utils.py, sequence_load_balancing_loss_func's sequence_partition_group: TP x CP)
+        raise ScenarioError("router.seq_aux_loss_coef", s.router.seq_aux_loss_coef,
+                            f"the sequence-wise balance loss is taken over each GPU's own sequences; with "
+                            f"workload.tokens_per_rank = {tokens} each GPU of a tensor-parallel group holds part "
+                            f"of a sequence of transformer.seq_len = {t.seq_len} (not modelled)")
+
+
+#: the fields ``workload.global_batch`` > 0 derives (``resolve_batch``)
+DERIVED_BY_BATCH = (("workload", "tokens_per_rank"), ("transformer", "micro_batches"))
+
+
+def resolve_batch(s: "Scenario", stated: dict) -> None:
+    """Derive ``workload.tokens_per_rank`` (the tokens each GPU routes per step and MoE
+    layer) and ``transformer.micro_batches`` (micro-batches per step) from
+    ``workload.global_batch`` and ``micro_batch_size`` with Megatron-Core's batch
+    (``testbed.layout.batch.megatron_batch``: DP = GPUs / (tp x cp x pp) ranks, global /
+    (DP x micro) micro-batches, micro x seq_len / (cp x tp) tokens routed a micro-batch).
+    ``stated``: the scenario's tables as read; a derived field they state must agree."""
+    w, t, p = s.workload, s.transformer, s.parallelism
+    if not w.global_batch:
+        if w.micro_batch_size != 1:
+            raise ScenarioError("workload.micro_batch_size", w.micro_batch_size,
+                                "is the batch's (workload.global_batch > 0); without one each GPU routes "
+                                "workload.tokens_per_rank in transformer.micro_batches micro-batches")
+        return
+    if not t.enabled:
+        raise ScenarioError("workload.global_batch", w.global_batch, "a batch of sequences is the whole "
+                            "transformer's: set transformer.enabled = true (or give workload.tokens_per_rank)")
+    batch = megatron_batch(w.global_batch, w.micro_batch_size, t.seq_len, s.cluster.gpus, p.tp_size, p.cp_size,
+                           p.pp_size, p.sequence_parallel)
+    derived = {"tokens_per_rank": batch.routed_tokens_per_step, "micro_batches": batch.micro_batches}
+    for section, key in DERIVED_BY_BATCH:
+        table = stated.get(section)
+        value = derived[key]
+        if isinstance(table, dict) and key in table and getattr(getattr(s, section), key) != value:
+            raise ScenarioError(f"{section}.{key}", table[key],
+                                f"workload.global_batch = {w.global_batch} sequences in micro-batches of "
+                                f"workload.micro_batch_size = {w.micro_batch_size} on DP {batch.dp} gives "
+                                f"{section}.{key} = {value}: give one or the other, or the same")
+        setattr(getattr(s, section), key, value)
 
 
 def _check_fault(path: str, f: "FaultConfig", world: int) -> None:

@@ -106,7 +106,7 @@ class TransformerConfig:
     enabled: bool = doc("model the whole transformer (the real backend: data x expert x tensor x pipeline parallelism, one micro-batch; no ZeRO or recompute)", False)
     num_heads: int = doc("attention query heads (model.hidden_size must be a multiple)", 8, check=positive)
     num_kv_heads: int = doc("attention key/value heads, grouped-query attention (a divisor of num_heads); 0 = num_heads", 0, check=non_negative)
-    seq_len: int = doc("tokens per sequence, which attention spans (workload.tokens_per_rank must be a multiple)", 256, check=positive)
+    seq_len: int = doc("tokens per sequence, which attention spans (workload.tokens_per_rank per micro-batch must be a multiple, or with tp_size > 1 and sequence parallelism the tensor-parallel group's tp_size x tokens_per_rank: the group shares its micro-batch)", 256, check=positive)
     dense_ffn_hidden_size: int = doc("inner dimension of the dense layers' FFN; 0 = 4 x model.hidden_size", 0, check=non_negative)
     moe_every: int = doc("one layer in this many is MoE (1: every layer, 2: every other); model.num_layers counts the MoE ones", 1, check=positive)
     vocab_size: int = doc("vocabulary: the input embedding and the output head (V x H each)", 32000, check=positive)
@@ -361,7 +361,8 @@ class WorkloadConfig:
 
     tokens_per_rank: int = doc("tokens each rank routes per step per layer", 256, check=positive)
     global_batch: int = doc("sequences per step over all data-parallel ranks (Megatron's --global-batch-size, "
-                            "transformer.seq_len tokens each); 0 = from tokens_per_rank", 0, check=non_negative)
+                            "transformer.seq_len tokens each): tokens_per_rank and transformer.micro_batches "
+                            "are derived from it (testbed.layout.batch); 0 = from tokens_per_rank", 0, check=non_negative)
     micro_batch_size: int = doc("with global_batch: sequences per micro-batch of one data-parallel rank, shared by "
                                 "its TP x CP group (Megatron's --micro-batch-size)", 1, check=positive)
     skew: float = doc("Zipf exponent of global expert popularity (0 = uniform; at most 50: by then the first "
