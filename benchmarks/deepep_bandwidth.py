@@ -2,7 +2,7 @@
 
     python benchmarks/deepep_bandwidth.py [--seed 0]
 
-DeepEP's README (V1, shared/published-figures.md section 4): H800 (~160 GB/s NVLink), one
+DeepEP's README (V1; docs/published.md): H800 (~160 GB/s NVLink), one
 400 Gb/s ConnectX-7 per GPU, 4,096 tokens per GPU, hidden 7,168, top-8 of 256 experts
 (across nodes: top-4 node groups), fp8 dispatch, bf16 combine; bandwidth is the bottleneck
 link's. This script routes tokens as DeepEP's own tests do (tests/test_intranode.py and
@@ -18,12 +18,10 @@ bench times the dispatch kernel without its notify). The bandwidth printed is De
   (1 + 4/128) bytes (fp8 with its per-128 scales) for the dispatch, x 2 (bf16) for the combine;
 - internode: the (token, node) pairs a GPU sends, its own node included, x the same.
 
-The machine is an assumption: no H800 profile is built in, so the H200 profile
-(testbed/scenario/profiles/h200.toml) stands for it with H800's links: NVLink 160 GB/s per
-direction (what DeepSeek-V3 and DeepEP's README give as achievable of H800's 200 GB/s,
-published-figures.md sections 4 and 6), NIC 48 GB/s (a 400 Gb/s NDR NIC's rate that NCCL
-users report, section 5, as the H200 profile), the same GH100 die (132 SMs); latencies as
-the H200 profile's (assumed there). Nothing is fitted to the published figures: they are
+The machine is the built-in h800 profile (testbed/scenario/profiles/h800.toml): NVLink
+160 GB/s per direction (what DeepSeek-V3 and DeepEP's README give as achievable of H800's
+200 GB/s), NIC 48 GB/s (a 400 Gb/s NDR NIC's rate NCCL's maintainers report), the GH100's
+132 SMs; each figure's source is in the profile. Nothing is fitted to the published figures: they are
 only printed beside the simulated ones. Not modelled: the fp8 scales' bytes on the wire
 (the testbed's fp8 rows carry none: 3% fewer bytes), DeepEP's chunked pipelining (the hop
 and the forward are one batch, fully overlapped), and any limit the kernels' 20-24 SMs put
@@ -33,7 +31,6 @@ on the bandwidth.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import numpy as np
@@ -60,12 +57,8 @@ PUBLISHED = [("intranode", 8, 153.0, 158.0, "NVLink"), ("internode", 16, 43.0, 4
 
 
 def h800_like() -> MachineProfile:
-    """The H200 profile with H800's links (module doc: an assumption, not a built-in)."""
-    p = load_profile("h200")
-    links = dataclasses.replace(p.links, nvlink=dataclasses.replace(p.links.nvlink, bandwidth_GBps=160.0),
-                                nic=dataclasses.replace(p.links.nic, bandwidth_GBps=48.0),
-                                spine=dataclasses.replace(p.links.spine, bandwidth_GBps=48.0))
-    return dataclasses.replace(p, name="h800-like (assumed)", links=links)
+    """The built-in h800 profile (module doc)."""
+    return load_profile("h800")
 
 
 def scenario(ep: int) -> Scenario:

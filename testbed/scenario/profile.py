@@ -61,7 +61,7 @@ from testbed.scenario.profile_fields import (
 )
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
-BUILTINS = ("local-cpu", "emulated", "a100-seed", "h200")
+BUILTINS = ("local-cpu", "emulated", "a100-seed", "h200", "h100", "h800")
 #: algorithms the simulator can time, per collective kind (first = standard); ``auto``
 #: picks, per op, the one with the least predicted time alone on the fabric
 ALGORITHMS = {
