@@ -19,11 +19,23 @@ shape's closed forms (``testbed.policy.transformer_shape``):
   d_rope) for the scores, n d_v for the values), at the profile's
   ``compute.efficiency.attention`` for a sequence of s;
 - the backward twice the forward's GEMMs plus the backward's casts, and with
-  ``transformer.recompute = full`` the forward once more;
+  ``transformer.recompute = full`` the forward once more; with Megatron-Core's recompute
+  modules (``transformer.recompute_modules``, ``testbed.policy.recompute_modules``) what
+  each layer's modules run again before its backward (``recompute_s``: ``core_attn``,
+  ``mlp``, ``layernorm``, ``mla_up_proj``; the MoE FFN's ``moe_act``, ``moe`` and
+  ``shared_experts`` are the phase builder's and the shared experts'): its GEMMs as the
+  forward's linears (``ComputeModel.linears_time``, fp8's casts included), attention's
+  core at the ``attention`` curve, and its memory-bound kernels' elements read and written
+  in the model dtype at ``memory_GBps`` (``kernel_seconds``; the pre-MLP norm of an MoE
+  layer recomputes here too, before the block's backward rather than inside the MoE
+  FFN's);
 - activations kept for the backward per layer as ``testbed.policy.whole_model``'s
   ``layer_activation_bytes`` gives them (Korthikanti et al.; flash attention keeps no
   scores; the shape's attention and dense-FFN terms), scaled from 16-bit to the model's
-  dtype; with full recompute only each layer's input. With fp8 GEMMs the fp8 copies of
+  dtype; with full recompute only each layer's input; with recompute modules less what
+  they free of the layer's own tensors (``layer_activation_bytes``' ``recompute_modules``;
+  the recomputed ones live inside the block's backward phase, which the phases' memory,
+  taken at a phase's end, does not see). With fp8 GEMMs the fp8 copies of
   the block's weights are held from its forward to its backward besides;
 - the MTP modules (``transformer.mtp_layers`` D, DeepSeek-V3 §2.2) after the last MoE
   layer: each a projection 2H x H, one layer (whole-sequence attention and an MoE FFN)
@@ -53,12 +65,29 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from sim.hardware.compute import ComputeModel
 from testbed.policy.fp8_casts import linears_copy_bytes
 from testbed.policy.mtp_layers import mtp_block_params, mtp_modules
+from testbed.policy.recompute_modules import LayerRecompute, RecomputeWork
 from testbed.policy.transformer_shape import attention_core_flops
-from testbed.policy.whole_model import layer_activation_bytes, shape_of
+from testbed.policy.whole_model import layer_activation_bytes, recompute_modules_of, shape_of
 from testbed.scenario.scenario import Scenario
+
+#: the recompute modules of a layer's attention and dense FFN, recomputed before its block's
+#: backward (the MoE FFN's, moe_act, moe and shared_experts, before the MoE layer's: the phase builder's)
+BLOCK_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "mla_up_proj")
+
+
+def kernel_seconds(compute: ComputeModel, elements):
+    """Seconds of memory-bound kernels that read and write ``elements`` elements of the
+    model dtype (each moved once) at the profile's memory bandwidth, at least one launch;
+    none for no elements. A number, or an array of them (one per rank)."""
+    e = np.asarray(elements, dtype=np.float64)
+    seconds = np.where(e > 0, np.maximum(e * compute.dtype_bytes / compute.memory_bw, compute.launch), 0.0)
+    seconds = seconds * compute.scale
+    return float(seconds) if seconds.ndim == 0 else seconds
 
 
 def grouped_sum(items: list, value) -> float:
@@ -84,9 +113,12 @@ class DenseLayers:
         p = s.parallelism
         tokens, h = s.workload.tokens_per_rank, m.hidden_size
         self.tokens, self.recompute = tokens, t.recompute == "full"
+        #: Megatron-Core's recompute modules (transformer.recompute_modules), in order
+        self.modules = recompute_modules_of(s)
         # Korthikanti's eq. 4 / 5 on the tensor-parallel group's sequences (each GPU's own tokens x tp)
         self._act_args = {"seq_len": t.seq_len, "micro_batch": p.tp_size * tokens // t.seq_len, "tp": p.tp_size,
-                          "sequence_parallel": p.sequence_parallel, "recompute": self.recompute, "flash": True}
+                          "sequence_parallel": p.sequence_parallel, "recompute": self.recompute, "flash": True,
+                          "recompute_modules": self.modules, "dtype_bytes": m.dtype_bytes}
         self._attention = {w: self._attention_parts(w) for w in (False, True)}
         ffn_linears = shape.ffn_linears(shape.dense_ffn)
         self._ffn = (compute.gemm_time(2.0 * tokens * shape.dense_ffn_matrix_params, tokens, "dense", fp8=True),
@@ -150,8 +182,24 @@ class DenseLayers:
         return gemms + core, c.linears_cast_seconds(tokens, linears), c.linears_cast_seconds(tokens, linears, True)
 
     def layer_activation(self, moe: bool) -> float:
-        """Activation bytes one layer keeps (model dtype), an MoE layer's or a dense-FFN one's."""
-        return layer_activation_bytes(self.shape, moe=moe, **self._act_args) * self.s.model.dtype_bytes / 2.0
+        """Activation bytes one layer keeps (model dtype), an MoE layer's or a dense-FFN one's,
+        less what the recompute modules free of it."""
+        return layer_activation_bytes(self.shape, moe=moe, **self._act_args)
+
+    def recompute_work(self, moe: bool, sliding: bool) -> RecomputeWork:
+        """What one layer's recompute modules of its attention and dense FFN
+        (``BLOCK_RECOMPUTE_MODULES``) run again before its block's backward, per token."""
+        modules = [name for name in self.modules if name in BLOCK_RECOMPUTE_MODULES]
+        return LayerRecompute(self.shape, moe, self.s.transformer.seq_len, sliding).total_work(modules)
+
+    def recompute_s(self, moe: bool, sliding: bool) -> float:
+        """Seconds of ``recompute_work`` on the rank's tokens (module doc); 0 without modules."""
+        if not self.modules:
+            return 0.0
+        work, c, tokens = self.recompute_work(moe, sliding), self.compute, self.tokens
+        return (c.linears_time(tokens, list(work.token_linears))
+                + c.gemm_time(tokens * work.attention_flops, self.s.transformer.seq_len, kernel="attention")
+                + kernel_seconds(c, tokens * work.token_kernel_elements))
 
     def _block(self, layers: list[int]) -> tuple[float, float, float, float]:
         """(forward s, backward s, activation bytes, held bytes) of the layers ``layers``."""
@@ -170,6 +218,9 @@ class DenseLayers:
         cast_b = sum(piece(k)[2] for k in parts)
         forward = gemm + cast_f
         backward = 2.0 * gemm + cast_b + (forward if self.recompute else 0.0)
+        if self.modules:  # each layer's recompute, before its backward (on the critical path)
+            backward += grouped_sum([(shape.is_moe_layer(i), shape.is_sliding_layer(i)) for i in layers],
+                                    lambda k: self.recompute_s(*k))
         acts = [self.layer_activation(shape.is_moe_layer(i)) for i in layers]
         act = grouped_sum(acts, lambda v: v)
         copies = sum(self._attention_copies + (0.0 if shape.is_moe_layer(i) else self._ffn_copies) for i in layers)
@@ -185,6 +236,8 @@ class DenseLayers:
         forward = gemm + c.linears_cast_seconds(tokens, projection) + attention[1]
         backward = 2.0 * gemm + c.linears_cast_seconds(tokens, projection, True) + attention[2] \
             + (forward if self.recompute else 0.0)
+        if self.modules:  # its layer's recompute (whole-sequence attention, an MoE FFN); the projection keeps its input
+            backward += self.recompute_s(True, False)
         act = self.layer_activation(True) + 2 * tokens * h * m.dtype_bytes  # its layer; the projection's input
         return forward, backward, act, act + self._copies(projection) + self._attention_copies
 

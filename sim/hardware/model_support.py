@@ -4,6 +4,13 @@ field were absent (``testbed.run.features`` says which features it models at all
 
 - fp8 GEMMs on a machine without an fp8 ceiling (``compute.peak_tflops.fp8`` 0: the
   A100, the CPU profiles);
+- recompute modules (``transformer.recompute_modules``) without the whole transformer
+  (they recompute parts of its layers), and the combinations Megatron-Core refuses
+  (``testbed.policy.recompute_modules.check_recompute_modules``): beside full recompute,
+  ``moe_act`` without grouped expert GEMMs (``sim.expert_kernel``), ``mla_up_proj``
+  without MLA, ``shared_experts`` under the shared-expert overlap (``overlap.shared_experts``),
+  ``moe_act`` or ``layernorm`` with fp8's tensor (delayed) scaling. ``moe`` is refused by
+  Megatron-Core only beside its EP all-to-all overlap, which the testbed does not have;
 - under tensor parallelism (``parallelism.tp_size`` > 1), the features whose collectives
   ``testbed.policy.tensor_parallel_ops`` does not plan: shared experts (split, they
   would need the group's tokens; whole, their gradients would be summed over all ranks,
@@ -15,6 +22,8 @@ field were absent (``testbed.run.features`` says which features it models at all
 from __future__ import annotations
 
 from testbed.core.errors import ScenarioError
+from testbed.policy.recompute_modules import check_recompute_modules
+from testbed.policy.whole_model import shape_of
 from testbed.scenario.profile import MachineProfile
 from testbed.scenario.scenario import Scenario
 
@@ -26,6 +35,7 @@ def check_model_support(scenario: Scenario, profile: MachineProfile) -> None:
     if m.gemm_dtype == "fp8" and profile.compute.peak("fp8") <= 0:
         raise ScenarioError("model.gemm_dtype", m.gemm_dtype, f"the profile {profile.name} has no fp8 matmul "
                             "ceiling (compute.peak_tflops.fp8 is 0)")
+    check_recompute(scenario)
     tp = s.parallelism.tp_size
     if tp <= 1:
         return
@@ -40,3 +50,22 @@ def check_model_support(scenario: Scenario, profile: MachineProfile) -> None:
             raise ScenarioError("transformer.attention", t.attention, f"with parallelism.tp_size = {tp}: MLA's "
                                 "down projections are not split over tensor-parallel ranks; the simulator models "
                                 "MLA at tp_size 1")
+
+
+def check_recompute(scenario: Scenario) -> None:
+    """Raise ``ScenarioError`` naming ``transformer.recompute_modules`` for modules the
+    simulator cannot recompute here (module doc)."""
+    s, t, m = scenario, scenario.transformer, scenario.model
+    if not t.recompute_modules.strip():
+        return
+    if not t.enabled:
+        raise ScenarioError("transformer.recompute_modules", t.recompute_modules, "recomputes parts of the "
+                            "transformer's layers: it needs transformer.enabled")
+    names = [n.strip() for n in t.recompute_modules.split(",") if n.strip()]
+    try:
+        check_recompute_modules(names, shape_of(s), full_recompute=t.recompute == "full",
+                                shared_expert_overlap=s.overlap.shared_experts,
+                                fp8_delayed_scaling=m.gemm_dtype == "fp8" and m.fp8_scaling == "tensor",
+                                grouped_experts=s.sim.expert_kernel == "grouped", moe_a2a_overlap=False)
+    except ScenarioError as e:  # the field's value as the scenario spells it (a string), the reason Megatron's
+        raise ScenarioError("transformer.recompute_modules", t.recompute_modules, e.reason) from None

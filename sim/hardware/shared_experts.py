@@ -16,6 +16,13 @@ Per MoE layer, on the rank's ``workload.tokens_per_rank`` tokens T (the closed f
 - activations kept for the backward per token: each shared expert's first GEMM's output
   and its output ((matrices - 1) F_s + H: as an expert row, whose input is the layer's);
   none with full recompute;
+- Megatron-Core's recompute modules (``transformer.recompute_modules``): ``shared_experts``
+  and ``moe`` each run their forward once more in the backward (both: twice more, the
+  inner checkpoint running again inside the outer's recompute), before their backward,
+  in ``backward_s``'s first part (its recomputed activations live inside that part, which
+  the phases' memory, taken at a phase's end, does not see); their activations are the
+  figure above less Megatron-Core's saving (``testbed.policy.whole_model.recompute_savings``'
+  ``shared``), none where that is larger (every tensor of theirs is freed);
 - weights: whole on every rank (replicated, as dense weights: their gradients are summed
   with the dense ones, ``testbed.policy.whole_model.block_grad_bytes``), in the model
   dtype; with fp8 GEMMs their fp8 copies while the layer's forward and backward run.
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 from sim.hardware.compute import ComputeModel
 from testbed.policy.fp8_casts import linears_copy_bytes
-from testbed.policy.whole_model import moe_layer_shape
+from testbed.policy.whole_model import moe_layer_shape, recompute_modules_of, recompute_savings, shape_of
 from testbed.scenario.scenario import Scenario
 
 
@@ -61,6 +68,15 @@ class SharedExperts:
         if not recompute:
             self.activation_bytes = float(tokens * m.shared_experts * ((f - 1) * shape.shared_ffn_width + h)
                                           * m.dtype_bytes)
+        modules = recompute_modules_of(scenario)
+        #: times their forward runs again in the backward (recompute modules, module doc)
+        self.recomputes = ("shared_experts" in modules) + ("moe" in modules)
+        if self.recomputes:
+            again = self.recomputes * (fwd[0] + fwd[1])
+            self.backward_s = (bwd[0] + again, bwd[1])
+        if modules:  # tensor parallelism is refused with shared experts: every tensor whole
+            saved = recompute_savings(shape_of(scenario), True, modules, t.seq_len, m.dtype_bytes).shared
+            self.activation_bytes = max(self.activation_bytes - tokens * saved, 0.0)
         self.params = shape.shared_expert_params
         if compute.fp8:
             self.fp8_copy_bytes = float(linears_copy_bytes(first_linears + second_linears, m.fp8_scaling))

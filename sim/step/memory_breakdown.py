@@ -16,7 +16,10 @@ phases' memory annotations use, for the GPU whose simulated memory peaked highes
   for plain SGD;
 - ``activations``: what every layer's forward keeps for its backward (MoE layers: the
   input, each expert row's input, first GEMM's output and output, the shared experts';
-  with the whole transformer also the dense blocks' and the logits);
+  with the whole transformer also the dense blocks' and the logits; with recompute
+  modules, ``transformer.recompute_modules``, less what they free, and instead of the
+  logits, freed before any layer's backward, the expert rows one layer's ``moe``
+  recompute makes again where those are more);
 - ``comm_buffers``: the largest send and receive buffers of one batch of concurrent
   collectives (a phase's), of every stage, tensor-parallel ones included;
 - ``communicators``: the communicators it holds (M10), ``collectives.communicator_MiB``
@@ -60,7 +63,9 @@ def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, floa
     if shared.enabled:
         activations += m.num_layers * shared.activation_bytes
     if t.enabled:
-        activations += grouped_sum(dense.activation_bytes, lambda v: v) + dense.head_activation_bytes
+        recomputed = max((float(builder.recomputed_bytes(r)[rank]) for r in rows), default=0.0)
+        transient = dense.head_activation_bytes if dense.head_activation_bytes >= recomputed else recomputed
+        activations += grouped_sum(dense.activation_bytes, lambda v: v) + transient
     if t.enabled or shared.enabled:
         gradients += sum(block_grad_bytes(s, layer) for layer in range(m.num_layers)) / dense_shard
     # the largest buffers of one collective phase: what the phases hold while their ops run

@@ -39,6 +39,28 @@ the first's beside the dispatch_backward); with micro-batches beside the first d
 and the last combine. Without it they run in the chain after the combine (backward:
 before the combine_backward), as Megatron-Core's shared experts do without the overlap.
 
+Recompute by module (``transformer.recompute_modules``, Megatron-Core's
+``--recompute-modules``; ``testbed.policy.recompute_modules``): an MoE layer's forward
+keeps its expert rows less what the modules free of them
+(``testbed.policy.whole_model.expert_row_bytes``); the recomputes of the layer's attention
+and dense layers are its block's (``sim.hardware.dense_layers``), the shared experts'
+theirs (``sim.hardware.shared_experts``). ``moe_act`` recomputes each row's activation
+inside the experts' backward (its elements read and written at the memory bandwidth,
+``kernel_seconds``). ``moe`` checkpoints the whole MoE FFN: Megatron-Core's
+``MoELayer.forward`` runs route, dispatch (``token_dispatch``, the all-to-all), experts
+and combine (``token_combine``) in one ``custom_forward`` under ``tensor_parallel.checkpoint``
+(NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/moe/moe_layer.py:658-719, 496-505,
+573-579), so its recompute, just before the layer's backward, runs all of them again:
+the router (``router_s``) and its scores' kernel, the forward's dispatch, the experts'
+forward (their GEMMs and page reads, as the forward's) with their activation and
+permutation kernels, and the forward's combine - the planned ops once more on the
+network, timed as every exchange is (micro-batched as the layer's), in the backward's
+stages (route_backward, dispatch_backward, experts_backward, combine_backward). The
+planner plans those bytes once: the byte ledger (``bytes_by_stage``, ``bytes_by_level``)
+counts the exchange once, the links (``wire_bytes_by_level``) carry it twice. Its rows'
+recomputed activations are held from its experts' recompute to the route_backward. The
+recompute's host work (measured profiles' stage costs) is not charged.
+
 DeepEP's SMs (``comm.token_strategy = "deepep"``): its kernels hold ``comm.deepep_sms``
 of the GPU's ``compute.sm_count`` SMs while they run (DeepSeek-V3 section 3.2.2: 20 of
 132), so compute that runs beside them runs on the rest, at ``1 - f`` of its speed
@@ -51,12 +73,13 @@ ops' time alone on the fabric (``op_seconds``), both starting with the compute.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 
 from sim.hardware.compute import ComputeModel
-from sim.hardware.dense_layers import DenseLayers
+from sim.hardware.dense_layers import DenseLayers, kernel_seconds
 from sim.hardware.shared_experts import SharedExperts
 from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy, split_op
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
@@ -66,11 +89,16 @@ from testbed.policy.collectives import CollectiveOp
 from testbed.policy.fp8_casts import linears_copy_bytes
 from testbed.policy.page_moves import GPU, HOST
 from testbed.policy.pager_pool import MovesByRank
+from testbed.policy.recompute_modules import LayerRecompute
 from testbed.policy.step_decisions import LayerForward, SyncPlan
 from testbed.policy.whole_model import (
     block_grad_bytes,
+    expert_row_bytes,
     expert_row_elements,
     moe_layer_shape,
+    recompute_modules_of,
+    recompute_savings,
+    shape_of,
     shared_expert_grad_bytes,
     zero_shards,
 )
@@ -154,6 +182,28 @@ class PhaseBuilder:
         #: fp8 GEMMs: bytes of one routed expert's fp8 weight copies, held from its forward to its backward
         self.expert_copy_bytes = (float(linears_copy_bytes(moe.ffn_linears(m.ffn_hidden_size), m.fp8_scaling))
                                   if compute.fp8 else 0.0)
+        self._recompute_modules(scenario)
+
+    def _recompute_modules(self, scenario: Scenario) -> None:
+        """The recompute modules' figures of an MoE layer's routed experts (module doc)."""
+        m = scenario.model
+        self.modules = recompute_modules_of(scenario)  # Megatron-Core's recompute modules, in order
+        #: bytes an expert row keeps: without recompute modules, and with them
+        self.full_row_bytes = float(expert_row_elements(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices)
+                                    * m.dtype_bytes)
+        self.row_bytes = self.full_row_bytes
+        #: what moe's and moe_act's recomputes run again per token and row (the shared experts' aside)
+        self.moe_work = self.moe_act_work = None
+        if not self.modules:
+            return
+        shape, seq_len = shape_of(scenario), scenario.transformer.seq_len
+        saved = recompute_savings(shape, True, self.modules, seq_len, m.dtype_bytes)
+        self.row_bytes = expert_row_bytes(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices, m.dtype_bytes, saved.row)
+        routed = LayerRecompute(replace(shape, shared_experts=0), True, seq_len)  # the shared experts: theirs
+        if "moe" in self.modules:  # its one token GEMM is the router's, timed as the route's (router_s)
+            self.moe_work = routed.work("moe")
+        if "moe_act" in self.modules:
+            self.moe_act_work = routed.work("moe_act")
 
     # ---- sizes ------------------------------------------------------------------------------
     def expert_rows(self, fwd: LayerForward) -> np.ndarray:
@@ -192,8 +242,11 @@ class PhaseBuilder:
         """[W] bytes an MoE layer's forward keeps for its backward: its input and, per
         expert row, the expert's input, first GEMM's output and output
         (``testbed.policy.whole_model.expert_row_elements``; with full recompute, the input
-        only). The shared experts' are ``SharedExperts.activation_bytes``."""
+        only; with recompute modules less what they free, ``row_bytes``). The shared
+        experts' are ``SharedExperts.activation_bytes``."""
         m = self.s.model
+        if self.modules:
+            return self.s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes + rows.sum(axis=1) * self.row_bytes
         per_row = 0 if self.recompute else expert_row_elements(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices)
         return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
 
@@ -203,9 +256,35 @@ class PhaseBuilder:
         return (rows > 0).sum(axis=1) * self.expert_copy_bytes
 
     def expert_backward_seconds(self, rows: np.ndarray) -> np.ndarray:
-        """[W] seconds of a layer's experts' backward (with full recompute, their forward first)."""
+        """[W] seconds of a layer's experts' backward (with full recompute, their forward
+        first; with ``moe_act``, each row's activation recomputed besides)."""
         seconds = self.expert_seconds(rows, True)
+        if self.moe_act_work is not None:
+            seconds = seconds + kernel_seconds(self.compute, rows.sum(axis=1) * self.moe_act_work.row_kernel_elements)
         return seconds + self.expert_seconds(rows, False) if self.recompute else seconds
+
+    def recomputed_bytes(self, rows: np.ndarray) -> np.ndarray:
+        """[W] bytes of an MoE layer's expert rows that ``moe``'s recompute makes again,
+        held from its experts' recompute to the layer's route_backward (0 without ``moe``)."""
+        if self.moe_work is None:
+            return np.zeros(self.layout.world)
+        return rows.sum(axis=1) * (self.full_row_bytes - self.row_bytes)
+
+    def moe_recompute(self, fwd: LayerForward, rows: np.ndarray, copy: int, n: int) -> None:
+        """``moe``'s recompute of layer ``fwd.layer``'s MoE FFN before its backward (module
+        doc): the router, its dispatch, the experts (once the layer's pages are back:
+        ``copy``) and its combine once more, in ``n`` micro-batches as the layer's exchange."""
+        w, c, work, layer = self.layout.world, self.compute, self.moe_work, fwd.layer
+        scores = kernel_seconds(c, np.full(w, self.s.workload.tokens_per_rank * work.token_kernel_elements))
+        self.chain("route_backward", layer, "compute", "compute", seconds=self.router_s + scores)
+        x = self.expert_seconds(rows, False) + kernel_seconds(c, rows.sum(axis=1) * work.row_kernel_elements)
+        fitted = x if self.scale_fitted else self.page_read_seconds(rows)
+        share = np.divide(fitted, x, out=np.zeros(w), where=x > 0)
+        # the planner's ops once more, new objects (an op's members meet once per phase)
+        dispatch = [replace(op, label=f"{op.label} (moe recompute)") for op in fwd.dispatch_ops]
+        combine = [replace(op, label=f"{op.label} (moe recompute)") for op in fwd.combine_ops]
+        self._exchange(layer, "dispatch_backward", dispatch, "experts_backward", x, self.recomputed_bytes(rows),
+                       fitted, share, "combine_backward", combine, n, copy, None)
 
     # ---- building ---------------------------------------------------------------------------
     def build(self, d: StepDecisions) -> list[Phase]:
@@ -221,6 +300,7 @@ class PhaseBuilder:
         tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)
         prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
         dense = self.dense
+        forward_of = {f.layer: f for f in d.forward}
         for f in d.forward:
             if dense.enabled:  # the layer's attention and the dense layers before it (MTP: projection, attention)
                 self.host("dense", f.layer, tokens)
@@ -282,6 +362,8 @@ class PhaseBuilder:
             moved = page_copy(b.page_moves, w)
             self.host("paging", layer, moved[0] + moved[1])
             copy = self.copy_phase(layer, moved)
+            if self.moe_work is not None:  # moe's recompute: the MoE FFN's forward again, once its pages are back
+                self.moe_recompute(forward_of[layer], rows[layer], copy, n)
             xb_seconds = self.expert_backward_seconds(rows[layer])
             self.exchange(layer, ("combine_backward", b.combine_backward_ops),
                           ("experts_backward", xb_seconds, grads[layer],
@@ -289,8 +371,9 @@ class PhaseBuilder:
                           ("dispatch_backward", b.dispatch_backward_ops), n, copy, act[layer],
                           shared=self.shared_parts(backward=True))
             self.host("route_backward", layer, tokens)
+            freed = held[layer] + self.recomputed_bytes(rows[layer]) if self.moe_work is not None else held[layer]
             self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
-                       mem_delta=self.router_grad_bytes - held[layer])
+                       mem_delta=self.router_grad_bytes - freed)
             if dense.enabled:  # the block's backward: its activations go, its gradients come
                 self.host("dense_backward", layer, tokens)
                 self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.backward_s[layer]),

@@ -286,7 +286,9 @@ def format_summary(s: dict) -> str:
         f"step time  {ms(s['step_time_s'])} (median)",
         *([f"throughput {s['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU"
            + (f", MFU {100 * s['mfu']:.1f}% of the profile's peak (the {s.get('flops_of') or 'MoE stack'}'s FLOPs)"
-              if s.get("mfu") else "")]
+              if s.get("mfu") else "")
+           + (f", {s['megatron_tflops_per_gpu']:.4g} TFLOP/s per GPU in Megatron-LM's count"
+              if s.get("megatron_tflops_per_gpu") else "")]
           if s.get("tokens_per_s_per_gpu") else []),
         f"sources    profile {s.get('profile', '?')} ({'calibrated on this machine' if s.get('profile_calibrated_here') else 'not calibrated on this machine'}), routing: {s.get('routing_source', '?')}",
         f"stages     {stages}",

@@ -26,9 +26,23 @@ are written once. The formulas and their sources:
   dense layer of F_d keeps s b H (18 + 4 F_d / H) with gelu, Megatron-LM's
   theoretical_memory_usage formula, and s b H (18 + 6 F_d / H) with SwiGLU, whose first
   GEMM writes 2 F_d (Megatron-Core's SwiGLU keeps it for its backward); MLA keeps its
-  heads' Q, K, V and output input and its latents, less its up projections' outputs
-  with Megatron-Core's ``--recompute-modules mla_up_proj`` (``mla_up_proj_elements``).
-  An MoE layer's expert rows: ``expert_row_elements``.
+  heads' Q, K, V and output input and its latents. An MoE layer's expert rows:
+  ``expert_row_elements``; its shared experts' are ``sim.hardware.shared_experts``'.
+- Megatron-Core's recompute by module (``--recompute-modules``, issue 25 item 6;
+  ``transformer.recompute_modules``, ``recompute_modules_of``): each of those figures less
+  what the modules save of it, byte for byte as ``testbed.policy.recompute_modules``
+  (``LayerRecompute``) counts the tensors each frees (``recompute_savings``: the layer's
+  own tensors per token, the expert rows' per row, the shared experts' per token). The
+  figures above are not Megatron-Core's tensors (an expert row here keeps its input, first
+  GEMM's output and output, 2 H + (m - 1) F; Megatron-Core's its input, first GEMM's
+  output, activation and fp32 probability, H + m F + 4 bytes; the shared experts here
+  (m - 1) F_s + H a token, there m F_s and with a gate H + 1 more), so a saving is taken
+  off the figure it belongs to, and where it is larger than that figure (``moe``'s rows
+  with F >= H; ``shared_experts``' or ``moe``'s with F_s > H or a gate) the part keeps
+  nothing: every tensor of it is freed. A saving is Megatron-Core's even where the figure
+  never counted the tensor (``core_attn`` frees flash attention's softmax statistics,
+  4 n bytes a token, which ``layer_activation_bytes`` leaves out; ``moe`` the router's
+  scores and map). Without modules every figure is what it was before (the same floats).
 - FP8 GEMMs' casts and weight copies: ``testbed.policy.fp8_casts``.
 - The 1F1B pipeline bubble: (p - 1) / (m + p - 1) of the step for p stages and m
   micro-batches; interleaved with v model chunks per stage, (p - 1) / (v m + p - 1)
@@ -40,12 +54,16 @@ are written once. The formulas and their sources:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from testbed.policy.mtp_layers import mtp_block_params, mtp_modules
+from testbed.policy.recompute_modules import LayerRecompute
 from testbed.policy.transformer_shape import TransformerShape, attention_core_flops
 
-__all__ = ["ADAM_MIXED_BYTES", "TransformerShape", "activation_bytes_per_layer", "attention_core_flops",
-           "block_grad_bytes", "bubble_fraction", "expert_row_elements", "layer_activation_bytes", "mfu",
-           "moe_layer_shape", "moe_stack_step_flops", "optimizer_bytes_per_param", "shape_of",
+__all__ = ["ADAM_MIXED_BYTES", "SHARED_EXPERT_TENSORS", "RecomputeSavings", "TransformerShape",
+           "activation_bytes_per_layer", "attention_core_flops", "block_grad_bytes", "bubble_fraction",
+           "expert_row_bytes", "expert_row_elements", "layer_activation_bytes", "mfu", "moe_layer_shape",
+           "moe_stack_step_flops", "optimizer_bytes_per_param", "recompute_modules_of", "recompute_savings", "shape_of",
            "shared_expert_grad_bytes", "zero_shards"]
 
 #: bytes per parameter of mixed-precision Adam: bf16 weight, bf16 gradient, fp32 master, m, v
@@ -95,34 +113,88 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
 def layer_activation_bytes(shape: TransformerShape, seq_len: int, micro_batch: int, moe: bool, tp: int = 1,
                            sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
-                           recompute_mla_up_proj: bool = False) -> float:
+                           recompute_modules=(), dtype_bytes: int = 2) -> float:
     """Bytes of activations one layer of ``shape`` keeps for the backward, for one
-    micro-batch of ``micro_batch`` sequences of ``seq_len`` in 16-bit: Korthikanti et
-    al.'s standard layer (``activation_bytes_per_layer``: attention of width H, a gelu FFN
-    of 4 H) with the terms the shape changes taken at its own widths - attention's
-    (``TransformerShape.attention_activation_elements``: head_dim, MLA's tensors and
-    latents; with ``recompute_mla_up_proj`` less MLA's up projections' outputs,
-    ``mla_up_proj_elements``) and, in a dense-FFN layer (``moe`` false), the FFN's
+    micro-batch of ``micro_batch`` sequences of ``seq_len``, in a model dtype of
+    ``dtype_bytes`` bytes (2: 16-bit; the 16-bit figure scaled by ``dtype_bytes / 2``):
+    Korthikanti et al.'s standard layer (``activation_bytes_per_layer``: attention of width
+    H, a gelu FFN of 4 H) with the terms the shape changes taken at its own widths -
+    attention's (``TransformerShape.attention_activation_elements``: head_dim, MLA's
+    tensors and latents) and, in a dense-FFN layer (``moe`` false), the FFN's
     (``ffn_activation_elements`` of its F_d: SwiGLU's 3 F_d against gelu's 2 F_d). The
     standard terms' parts split over ``tp`` ranks stay split, the rest whole (all split
     with sequence parallelism). An MoE layer keeps the standard layer's FFN term (the
     simulator's figure since issue 13; the experts' rows are the MoE layer's own,
-    ``expert_row_elements``). With full ``recompute`` only the layer's input."""
+    ``expert_row_elements``). With full ``recompute`` only the layer's input. With
+    ``recompute_modules`` (Megatron-Core's names; not with full ``recompute``) less what
+    they free of the layer's own tensors (``recompute_savings``' ``layer``, per token of
+    the micro-batch, at ``dtype_bytes``: masks and fp32 tensors at their own sizes)."""
+    if recompute and recompute_modules:
+        raise ValueError("recompute_modules are selective recompute's: not with full recompute")
     base = activation_bytes_per_layer(seq_len, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
                                       recompute, flash)
-    if recompute:
-        return base
-    h = shape.hidden
-    split, whole = shape.attention_activation_elements
-    if recompute_mla_up_proj:
-        split -= shape.mla_up_proj_elements
-    split -= 4 * h  # the standard layer's Q, K, V and output-projection input (Korthikanti's 8 s b h)
-    if not moe:
-        split += shape.ffn_activation_elements(shape.dense_ffn) - 8 * h  # its FFN's 16 s b h
-    if split == 0 and whole == 0:
-        return base
-    tokens = seq_len * micro_batch
-    return base + 2.0 * tokens * ((split + whole) / tp if sequence_parallel else split / tp + whole)
+    out = base
+    if not recompute:
+        h = shape.hidden
+        split, whole = shape.attention_activation_elements
+        split -= 4 * h  # the standard layer's Q, K, V and output-projection input (Korthikanti's 8 s b h)
+        if not moe:
+            split += shape.ffn_activation_elements(shape.dense_ffn) - 8 * h  # its FFN's 16 s b h
+        if split != 0 or whole != 0:
+            tokens = seq_len * micro_batch
+            out = base + 2.0 * tokens * ((split + whole) / tp if sequence_parallel else split / tp + whole)
+    out = out * dtype_bytes / 2.0
+    if recompute_modules:
+        saved = recompute_savings(shape, moe, recompute_modules, seq_len, dtype_bytes, tp, sequence_parallel, flash)
+        out -= seq_len * micro_batch * saved.layer
+    return out
+
+
+#: the tensors of a layer (``LayerRecompute.tensors``) the simulator counts as the shared
+#: experts' (``sim.hardware.shared_experts``), not the layer's own
+SHARED_EXPERT_TENSORS = frozenset({"shared_first_output", "shared_activation", "shared_output", "shared_gate_score"})
+
+
+@dataclass(frozen=True)
+class RecomputeSavings:
+    """Bytes Megatron-Core's recompute modules free of one layer, split as the simulator
+    counts its activations (module doc): ``layer`` per token of the tensor-parallel group's
+    micro-batch, of the layer's own tensors (``layer_activation_bytes``); ``row`` per expert
+    row (``expert_row_elements``); ``shared`` per token, of the shared experts' tensors."""
+
+    layer: float = 0.0
+    row: float = 0.0
+    shared: float = 0.0
+
+
+def recompute_savings(shape: TransformerShape, moe: bool, modules, seq_len: int = 1, dtype_bytes: int = 2,
+                      tp: int = 1, sequence_parallel: bool = False, flash: bool = True) -> RecomputeSavings:
+    """What ``modules`` free of one layer of ``shape`` (``moe``: an MoE layer) on sequences
+    of ``seq_len`` in a dtype of ``dtype_bytes`` (``testbed.policy.recompute_modules``:
+    ``LayerRecompute``'s tensors with Transformer Engine's fused norms and dropout, as the
+    Korthikanti layer here keeps its masks): each freed tensor's bytes in the part it
+    belongs to, split as ``LayerRecompute.kept_bytes`` splits them (over ``tp``; whole
+    ones too with ``sequence_parallel``). The three parts sum to ``saved_bytes``' figure."""
+    chosen = set(modules)
+    parts = {"layer": 0.0, "row": 0.0, "shared": 0.0}
+    for t in LayerRecompute(shape, moe, seq_len, flash=flash).tensors:
+        if not t.freed_by & chosen:
+            continue
+        if t.per_row:
+            parts["row"] += t.bytes(dtype_bytes)
+            continue
+        part = "shared" if t.name in SHARED_EXPERT_TENSORS else "layer"
+        parts[part] += t.bytes(dtype_bytes) / (tp if t.split or sequence_parallel else 1)
+    return RecomputeSavings(**parts)
+
+
+def recompute_modules_of(scenario) -> tuple[str, ...]:
+    """The recompute modules a scenario names (``transformer.recompute_modules``, a
+    comma-separated string), in order; none without the whole transformer."""
+    t = scenario.transformer
+    if not t.enabled:
+        return ()
+    return tuple(n.strip() for n in t.recompute_modules.split(",") if n.strip())
 
 
 def expert_row_elements(hidden: int, ffn: int, ffn_matrices: int = 2) -> int:
@@ -131,6 +203,13 @@ def expert_row_elements(hidden: int, ffn: int, ffn_matrices: int = 2) -> int:
     SwiGLU's gate and up 2 F, which Megatron-Core's SwiGLU keeps for its backward) and
     its output (H, for the gate's gradient), as the simulator counts since issue 13."""
     return 2 * hidden + (ffn_matrices - 1) * ffn
+
+
+def expert_row_bytes(hidden: int, ffn: int, ffn_matrices: int, dtype_bytes: int, saved: float = 0.0) -> float:
+    """Bytes an MoE layer keeps per expert row in a dtype of ``dtype_bytes``:
+    ``expert_row_elements``' less ``saved`` (``RecomputeSavings.row``), none where the
+    saving is larger (``moe``'s recompute frees every tensor of the row; module doc)."""
+    return max(expert_row_elements(hidden, ffn, ffn_matrices) * dtype_bytes - saved, 0.0)
 
 
 def mfu(model_flops: float, step_time_s: float, gpus: int, peak_flops: float) -> float:

@@ -56,7 +56,7 @@ FEATURES: dict[str, Feature] = {
     "parallelism.decoder_last_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_last_pipeline_num_layers > 0),
     "parallelism.pipeline_schedule": Feature(lambda s: s.parallelism.pipeline_schedule != "1f1b"),
     "parallelism.attention_parallel": Feature(lambda s: s.parallelism.attention_parallel != "tp"),
-    "transformer.recompute_modules": Feature(lambda s: s.transformer.enabled and s.transformer.recompute_modules != ""),
+    "transformer.recompute_modules": Feature(lambda s: s.transformer.recompute_modules.strip() != "", sim=True),
 }
 
 

@@ -18,6 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from testbed.core.stages import STAGES
+from testbed.policy.megatron_flops import megatron_flops, padded_vocab_size
+from testbed.policy.published_conversion import tflops_per_gpu_from_flops
 from testbed.policy.whole_model import mfu, moe_stack_step_flops, shape_of
 from testbed.scenario.topology import LEVELS
 
@@ -102,21 +104,44 @@ def throughput(scenario, records: list[StepRecord], step_time_s: float | None, p
     """Tokens per second per GPU and MFU of a run (``testbed.policy.whole_model``): the model
     FLOPs of a step - the whole transformer's (``transformer.enabled``), else a mean
     measured step of the MoE stack's kept slots - over its median step time x GPUs x
-    ``peak_flops`` (one GPU's, for the model's dtype; None: no MFU)."""
+    ``peak_flops`` (one GPU's, for the model's dtype; None: no MFU).
+
+    With the whole transformer, also Megatron-LM's figures in the unit papers publish
+    (issue 26, item 3): ``megatron_flops_per_step``, ``testbed.policy.megatron_flops`` of
+    the step's tokens in sequences of ``transformer.seq_len``, the vocabulary padded to
+    128 x ``tp_size`` as Megatron pads it, and ``megatron_tflops_per_gpu``, those FLOPs /
+    (step time x 1e12 x GPUs) (``testbed.policy.published_conversion``). The two counts
+    differ: both take 3 x the forward without recompute and half of a causal sequence's
+    scores, but Megatron leaves out the routers' (2 H E a token and MoE layer) and the
+    shared-expert gates' GEMMs, counts a sliding-window layer as attending the whole
+    sequence (the testbed its band), pads the vocabulary and adds 3 H for each MTP
+    module's norms. ``mfu`` stays against the profile's ``compute.peak_tflops``, the
+    *measured* matmul ceiling (771.18 TFLOP/s on the h100, h800 and h200 profiles), not
+    the spec peak (989.5) published MFU divides by: no MFU in Megatron's count is given
+    here, as no profile holds a spec peak; a caller states its denominator
+    (``published_conversion.mfu_from_tflops``). The MoE stack alone has no Megatron count."""
     s, m = scenario, scenario.model
     measured = [r for r in records if r.step >= s.run.warmup_steps] or records
     if not measured or not step_time_s:
-        return {"tokens_per_s_per_gpu": None, "model_flops_per_step": None, "flops_of": None, "mfu": None}
+        return {"tokens_per_s_per_gpu": None, "model_flops_per_step": None, "flops_of": None, "mfu": None,
+                "megatron_flops_per_step": None, "megatron_tflops_per_gpu": None}
     # tokens of a step: every GPU of a pipeline stage brings its own (all of them without pipelining)
     tokens = s.world_size // s.parallelism.pp_size * s.workload.tokens_per_rank
+    megatron = None
     if s.transformer.enabled:  # the whole model's FLOPs, every token through its top-k experts (no recompute)
-        flops = shape_of(s).step_flops(tokens, s.transformer.seq_len)
+        shape, seq_len = shape_of(s), s.transformer.seq_len
+        flops = shape.step_flops(tokens, seq_len)
+        vocab = padded_vocab_size(shape.vocab, s.parallelism.tp_size)
+        megatron = megatron_flops(shape, tokens / seq_len, seq_len, vocab)  # tokens / seq_len sequences
     else:
         kept = sum(r.routed_slots - r.dropped_slots for r in measured) / len(measured)
         flops = moe_stack_step_flops(m.hidden_size, m.ffn_hidden_size, m.num_experts, m.num_layers, tokens, kept)
     return {"tokens_per_s_per_gpu": tokens / s.world_size / step_time_s,
             "model_flops_per_step": flops, "flops_of": "whole model" if s.transformer.enabled else "MoE stack",
-            "mfu": mfu(flops, step_time_s, s.world_size, peak_flops) if peak_flops else None}
+            "mfu": mfu(flops, step_time_s, s.world_size, peak_flops) if peak_flops else None,
+            "megatron_flops_per_step": megatron,
+            "megatron_tflops_per_gpu": (tflops_per_gpu_from_flops(megatron, step_time_s, s.world_size)
+                                        if megatron is not None else None)}
 
 
 def frozen_fraction(frozen: dict[int, int] | None, local_experts: int) -> float | None:

@@ -80,8 +80,9 @@ def test_mla_keeps_its_heads_tensors_and_latents_and_can_recompute_its_up_projec
     s = 4096
     standard = 34 * s * 7168
     assert layer_activation_bytes(shape, s, 1, moe=True) == standard + 2 * s * (split - 4 * 7168 + whole)
-    assert layer_activation_bytes(shape, s, 1, moe=True, recompute_mla_up_proj=True) == \
-        standard + 2 * s * (split - 65536 - 4 * 7168 + whole)
+    # the up projections' outputs and the normed latents (1536 + 512), which Megatron-Core frees too
+    assert layer_activation_bytes(shape, s, 1, moe=True, recompute_modules=("mla_up_proj",)) == \
+        standard + 2 * s * (split - 65536 - 2048 - 4 * 7168 + whole)
     assert layer_activation_bytes(shape, s, 1, moe=True, tp=8, sequence_parallel=True) == \
         standard / 8 + 2 * s * (split - 4 * 7168 + whole) / 8
     assert STANDARD.mla_up_proj_elements == 0
