@@ -57,7 +57,8 @@ ROW_METRICS = ("step_time_s", "stage_time_s", "bytes_by_level", "wire_bytes_by_l
                "dropped_token_fraction", "page_moves_per_step", "page_stall_s", "group_cache_hit_rate",
                "moves_by_reason", "heat_updates", "max_frozen_fraction", "loss_first", "loss_last",
                "fitted_share", "group_create_s", "steps", "measured_steps", "tokens_per_s_per_gpu", "mfu",
-               "model_flops_per_step", "memory_breakdown_bytes", "peak_memory_at", "fits_in_device_memory", "pipeline")
+               "model_flops_per_step", "megatron_flops_per_step", "megatron_tflops_per_gpu", "memory_breakdown_bytes",
+               "peak_memory_at", "fits_in_device_memory", "pipeline")
 EXECUTORS = ("local", "dask")
 
 
