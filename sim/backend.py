@@ -29,6 +29,7 @@ from sim.network.collective_model import CollectiveModel
 from sim.network.faults import Faults
 from sim.network.network import Network
 from sim.pipeline.run import PipelinedStep
+from sim.pipeline.stage_work import SimulatedStage
 from sim.step.flow_executor import run_flows
 from sim.step.memory_breakdown import memory_breakdown
 from sim.step.phase_builder import PhaseBuilder
@@ -42,8 +43,7 @@ from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_re
 from testbed.policy.controller import Controller
 from testbed.policy.mtp_layers import controller_scenario
 from testbed.policy.page_moves import add_reason_counts, page_move_count
-from testbed.policy.pipeline_stages import pipelined, stage_scenario
-from testbed.policy.whole_model import zero_shards
+from testbed.policy.pipeline_stages import PipelineStages, check_pipeline, pipelined
 from testbed.policy.workload import SyntheticWorkload
 from testbed.run.backend import RunResult
 from testbed.run.guards import network_mode
@@ -173,10 +173,11 @@ class ClusterSim:
 
     def expert_weight_bytes(self) -> np.ndarray:
         """[W] bytes of expert weights on each GPU: its resident pages, or every local
-        expert when paging is off."""
+        expert when paging is off (with expert TP its 1/etp slice of each)."""
         if self.controller.pool is not None:
             return self.page_bytes_now()
-        return np.full(self.layout.world, len(self.controller.local_instances(0)) * self.s.model.expert_bytes)
+        return np.full(self.layout.world, len(self.controller.local_instances(0)) * self.s.model.expert_bytes
+                       // self.layout.etp_size)
 
     def communicator_bytes(self) -> np.ndarray:
         """[W] bytes of the communicators each GPU holds: the fixed groups and the group
@@ -207,8 +208,8 @@ class ClusterSim:
         t, dense, b = self.s.transformer, self.builder.dense, self.builder
         if not t.enabled or t.optimizer != "adam":
             return 0.0
-        dense_shard, expert_shard, _, _ = zero_shards(self.s)
-        local = len(self.controller.local_instances(0)) * (self.s.model.expert_params + b.expert_bias_params)
+        dense_shard, expert_shard, _, _ = b.zero  # with expert TP a slice's over its expert-DP group
+        local = len(self.controller.local_instances(0)) * (b.expert_matrix_params + b.expert_bias_params)
         shared = self.s.model.num_layers * b.shared.params  # whole on every GPU
         return ((dense.dense_params + dense.router_params + shared) / dense_shard + local / expert_shard) \
             * t.optimizer_state_bytes
@@ -268,15 +269,19 @@ class SimBackend:
 
     def check(self, scenario: Scenario, resume=None, force: bool = False) -> None:
         """What can refuse the run before a folder is written: model features this scenario
-        uses that the simulator cannot model here (``sim.hardware.model_support``)."""
+        uses that the simulator cannot model here (``sim.hardware.model_support``), and a
+        pipeline's stages, layout and schedule (``testbed.policy.pipeline_stages``)."""
+        check_pipeline(scenario)
         check_model_support(scenario, load_profile(scenario.cluster.profile))
 
     def run(self, scenario: Scenario, *, progress: bool = False, on_step=None) -> RunResult:
         wall0 = time.perf_counter()
         whole = scenario
         profile = load_profile(whole.cluster.profile)
-        # pipeline parallelism or micro-batches (sim.pipeline.run): one stage, one micro-batch, simulated
-        s = stage_scenario(whole) if pipelined(whole) else whole
+        # pipeline parallelism or micro-batches (sim.pipeline.run): each distinct stage, one micro-batch,
+        # simulated; this loop's is rank 0's, the pipeline runs the others
+        stages = PipelineStages.of(whole) if pipelined(whole) else None
+        s = stages.scenarios[0] if stages else whole
         routed_at = routing_source(controller_scenario(s))
         # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
         # draws per step at paper scale): numpy's generators release the GIL, each step has
@@ -285,7 +290,7 @@ class SimBackend:
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
             sim = ClusterSim(s, profile)
-            pipe = PipelinedStep(whole, profile, sim.builder) if s is not whole else None
+            pipe = PipelinedStep(whole, profile, stages, lambda st: stage_runner(st, profile)) if stages else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
             records, trace, routing, layer_times = [], [], [], []
@@ -304,7 +309,8 @@ class SimBackend:
                 record = _record(step, sim, d, fig, faults, ledger)
                 record.discovery_s = discovery_seconds(tl)
                 if pipe is not None:
-                    record, breakdown = pipe.apply(record, breakdown, phases, tl, sim.layout)
+                    record, breakdown = pipe.apply(step, SimulatedStage(record, breakdown, phases, tl, sim.layout,
+                                                                        sim.builder, fullest))
                 records.append(record)
                 layer_times.append(fig.layer_time_s)
                 trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,
@@ -343,6 +349,23 @@ class SimBackend:
             return RunResult(whole, records, trace, None, extra)
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
         return RunResult(s, records, trace, routing_trace, extra)
+
+
+def stage_runner(scenario: Scenario, profile: MachineProfile):
+    """``step -> SimulatedStage``: a pipeline stage other than the run's own (``sim.pipeline.run``),
+    on a cluster sim and routing of its own, each step as ``SimBackend.run``'s loop makes one."""
+    sim = ClusterSim(scenario, profile)
+    routed_at = routing_source(controller_scenario(scenario))
+    times: list[float] = []
+
+    def run_step(step: int) -> SimulatedStage:
+        d, phases, tl, fig, faults, _ = sim.step(step, np.asarray(routed_at(step)), times)
+        fullest = int(np.argmax(fig.peak_by_rank))
+        record = _record(step, sim, d, fig, faults)
+        times.append(record.step_time_s)
+        return SimulatedStage(record, memory_breakdown(sim, d, phases, fullest), phases, tl, sim.layout, sim.builder,
+                              fullest)
+    return run_step
 
 
 def discovery_seconds(tl) -> float | None:

@@ -1,46 +1,47 @@
-"""Pipeline parallelism and micro-batches in the simulator (issue 13:
-``parallelism.pp_size`` p, ``parallelism.pp_chunks`` v, ``transformer.micro_batches`` m).
+"""Pipeline parallelism and micro-batches in the simulator (issues 13 and 25:
+``parallelism.pp_size`` p, ``parallelism.pp_chunks`` v, ``transformer.micro_batches`` m, the
+layers' split ``parallelism.pipeline_layout`` / ``decoder_first`` / ``decoder_last_pipeline_num_layers``,
+``parallelism.pipeline_schedule``).
 
-The cluster's GPUs form p stages of consecutive micro-clusters (or nodes); stage k holds
-MoE layers k L/p .. (k+1) L/p - 1 with their blocks, laid out inside its GPUs as the
-scenario lays out the whole cluster without pipelining (EP groups, replicas, TP). A step
-runs m micro-batches of ``tokens_per_rank / m`` tokens through the stages:
+The cluster's nodes form p stages (``testbed.policy.pipeline_stages``: which GPUs and which
+layers each pipeline rank holds, in which chunks; the embedding with the first chunk, the
+output head and the loss with the last). A step runs m micro-batches of
+``tokens_per_rank / m`` tokens through them:
 
-1. One stage is simulated as a scenario of its own (``testbed.policy.pipeline_stages``): its
-   GPUs, its layers, one micro-batch - the phases, network and compute of every other run. Its
-   timeline gives one micro-batch's forward and backward seconds on the stage's slowest
-   GPU, and the tail after the backward (what the gradient sync leaves exposed, the
-   optimizer). Every stage is taken to be that one, except that only the last computes
-   the output head and the loss and the MTP modules (the MoE layers after the stage's
-   own, ``testbed.policy.mtp_layers``: their forward and backward spans on the
-   simulated stage's slowest GPU, ``mtp_seconds``; theirs and the head's seconds come off
-   the others), only the first the dense-first layers (``transformer.first_dense_layers``;
-   theirs come off the others), and each of its v chunks takes 1/v of it.
+1. Each distinct pipeline rank is simulated as a scenario of its own: its GPUs, all its
+   chunks' layers, one micro-batch - the phases, network and compute of every other run.
+   Ranks that hold the same layers share one simulation (``PipelineStages``: the run's own
+   is rank 0's, the others come from ``runner``, one per layer mix). Its timeline is cut
+   into its chunks' forward and backward seconds (``sim.pipeline.stage_work``: the head only
+   where the loss is, the dense-first and MTP layers only where the layout puts them) and
+   the tail after the backward (what the gradient sync leaves exposed, the optimizer).
 2. A micro-batch's activations (and, backward, their gradients: tokens x hidden in
    ``model.dtype`` per GPU) cross each stage boundary as point-to-point sends from every
    GPU to its peer in the next stage, all at once, timed on the whole cluster's network
    model (``boundary_send_seconds``).
-3. The step's schedule is ``sim.pipeline.schedule``'s 1F1B (or interleaved) max-plus
-   timing of those seconds: the bubble comes out of it, not from the closed form. The
-   step takes its makespan plus the tail.
+3. The step's schedule times those seconds by max-plus: 1F1B, or Megatron's interleaved
+   1F1B with v > 1 chunks (``sim.pipeline.schedule``), or DualPipe (``sim.pipeline.dualpipe``:
+   each rank's two chunks, the backward split into input and weight gradients and the
+   overlapped forward-backward pairs from ``stage_work``). The bubble comes out of it, not
+   from a closed form. The step ends when the last rank's tail does: each rank's end in the
+   schedule plus its own tail.
 
-What it changes in a step's record: the step time; stage times and bytes of the
-micro-batch stages (route to dense_backward) times m (the gradient sync, optimizer and
-heat run once per step), bytes times p (every stage moves its own); the share of the
-step from fitted constants, of the whole step (``whole_step_fitted_share``); the memory peak
-holds as many micro-batches' activations as the schedule keeps in flight on stage 0
-(``in_flight / v`` of the stage's). Left out: differences between stages other than
-the head, MTP and dense-first layers' seconds (the embedding's weights are counted on every stage, and the
-dense-first layers' and the MTP modules' layers' weights and activations, their logits aside, on stage 0,
-whose memory is reported), stages' traffic sharing
-links with each other, and the sends' own bytes in the byte counts (they are in
-``extra["pipeline"]``). The network counters (wire bytes, link utilisation, hottest
-links) saw one stage's micro-batch, so a pipelined run reports none.
+What it changes in a step's record: the step time; stage times of the micro-batch stages
+(route to dense_backward) times m, the most of any simulated stage (the gradient sync,
+optimizer and heat run once per step); bytes of every rank's simulated stage, micro-batch
+stages times m; the share of the step from fitted constants (``whole_step_fitted_share``,
+the most of any stage); the memory of the fullest rank (``sim.pipeline.stage_memory``: the
+embedding and head it holds, the activations its schedule keeps in flight) and its
+breakdown. ``extra["pipeline"]`` has the schedule per stage (docs/simulator.md, Pipelines).
+Left out: stages' traffic sharing links with each other, the sends' own bytes in the byte
+counts (they are in ``extra["pipeline"]``), the gradient sync of an embedding or head a rank
+does not hold (its simulated stage's). The network counters (wire bytes, link utilisation,
+hottest links) saw one stage's micro-batch, so a pipelined run reports none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
@@ -48,19 +49,17 @@ from sim.hardware.fabric import build_fabric
 from sim.network.analytic_timer import AnalyticTimer
 from sim.network.collective_model import CollectiveModel
 from sim.network.network import Network
+from sim.pipeline.dualpipe import PARAMETER_COPIES, run_dualpipe
 from sim.pipeline.schedule import run_pipeline
+from sim.pipeline.stage_memory import embedding_head_delta, in_flight_bytes
+from sim.pipeline.stage_work import MICRO_BATCH_STAGES, RankWork, SimulatedStage, StageCuts, overlapped_seconds
 from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
 from sim.step.step_report import fitted_by_rank
 from testbed.policy.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce
 from testbed.policy.mtp_layers import mtp_modules
-from testbed.run.results import StepRecord
+from testbed.policy.pipeline_stages import PipelineStages, dualpipe
 from testbed.scenario.scenario import Scenario
-
-#: stages a micro-batch runs through (the rest run once per step)
-MICRO_BATCH_STAGES = ("dense", "route", "dispatch", "experts", "combine", "combine_backward", "experts_backward",
-                      "dispatch_backward", "route_backward", "dense_backward")
-BACKWARD_STAGES = ("combine_backward", "experts_backward", "dispatch_backward", "route_backward", "dense_backward")
 
 
 def boundary_send_seconds(s: Scenario, profile) -> tuple[np.ndarray, float]:
@@ -84,23 +83,13 @@ def boundary_send_seconds(s: Scenario, profile) -> tuple[np.ndarray, float]:
     return seconds, float(nbytes)
 
 
-@dataclass
-class MicroBatchTimes:
-    """One micro-batch on the simulated stage, its slowest GPU (seconds)."""
-
-    forward_s: float
-    backward_s: float
-    tail_s: float  # after the backward: exposed gradient sync, optimizer, heat, paging
-
-
 def whole_step_fitted_share(phases: list[Phase], tl, micro_batches: int, step_time_s: float) -> float:
     """Share of the pipelined step of ``step_time_s`` seconds that comes from fitted
     constants, on the GPU with the most: its fitted seconds in the micro-batch stages
-    times ``micro_batches`` (each GPU runs every micro-batch of its stage, its chunks 1/v
-    of the stage each), plus those of the phases run once per step
-    (``sim.step.step_report.fitted_by_rank`` of the simulated stage's micro-batch step). The
-    boundary sends' library latency is left out: the sends are asynchronous, in no GPU's
-    busy time."""
+    times ``micro_batches`` (each GPU runs every micro-batch of each of its chunks), plus
+    those of the phases run once per step (``sim.step.step_report.fitted_by_rank`` of the
+    simulated stage's micro-batch step). The boundary sends' library latency is left out:
+    the sends are asynchronous, in no GPU's busy time."""
     if step_time_s <= 0 or not phases:
         return 0.0
     busy = tl.end - tl.start
@@ -109,91 +98,122 @@ def whole_step_fitted_share(phases: list[Phase], tl, micro_batches: int, step_ti
     return float(fitted.max() / step_time_s)
 
 
-def mtp_seconds(phases: list[Phase], tl, main_layers: int, head_phases: range) -> tuple[float, float]:
-    """(forward, backward) seconds of the MTP modules' layers on the simulated stage: on
-    each GPU the span of the micro-batch phases of its MoE layers past ``main_layers``
-    (the output head's, ``head_phases``, aside), forward and backward, the most of any
-    GPU; (0, 0) without them."""
-    out = []
-    for stages in (set(MICRO_BATCH_STAGES) - set(BACKWARD_STAGES), set(BACKWARD_STAGES)):
-        mine = [i for i, ph in enumerate(phases) if ph.layer >= main_layers and ph.stage in stages
-                and i not in head_phases]
-        out.append(float((tl.end[mine].max(axis=0) - tl.start[mine].min(axis=0)).max()) if mine else 0.0)
-    return out[0], out[1]
-
-
-def micro_batch_times(phases: list[Phase], tl, step_time_s: float) -> MicroBatchTimes:
-    """Split the stage's simulated step at the first backward phase and the last one."""
-    back = [i for i, ph in enumerate(phases) if ph.stage in BACKWARD_STAGES]
-    forward_end = float(tl.end[:back[0]].max()) - tl.t0
-    backward_end = float(tl.end[back].max()) - tl.t0
-    return MicroBatchTimes(forward_end, backward_end - forward_end, max(step_time_s - backward_end, 0.0))
-
-
 class PipelinedStep:
-    """Turns the simulated stage's step into the pipelined step of the whole scenario."""
+    """Turns the simulated stages' steps into the pipelined step of the whole scenario."""
 
-    def __init__(self, scenario: Scenario, profile, builder):
-        """``builder``: the simulated stage's ``PhaseBuilder`` (its ``DenseLayers``: the output
-        head's seconds and logits; the head's phases of the step it built)."""
-        self.s = scenario
+    def __init__(self, scenario: Scenario, profile, stages: PipelineStages,
+                 runner: Callable[[Scenario], Callable[[int], SimulatedStage]]):
+        """``stages``: the scenario's (``PipelineStages.of``); the run simulates
+        ``stages.scenarios[0]`` itself, ``runner(stage_scenario)`` gives the step function of
+        each other one (``step -> SimulatedStage``, as the run's loop makes its own)."""
+        self.s, self.stages = scenario, stages
         self.send_s, self.send_bytes = boundary_send_seconds(scenario, profile)
-        self.builder = builder
-        head = builder.dense
-        self.head = (head.head_forward_s, head.head_backward_s)
-        self.first_dense = head.first_dense_s  # (forward, backward) seconds of the dense-first layers
-        self.logits_bytes = head.head_activation_bytes
         self.rs_as_ar = reduce_scatter_runs_as_all_reduce(profile)  # gloo: testbed.policy.collectives
+        self.others = [runner(st) for st in stages.scenarios[1:]]
+        self.dualpipe = dualpipe(scenario)
 
-    def schedule(self, times: MicroBatchTimes, mtp: tuple[float, float] = (0.0, 0.0)):
-        """The step's pipeline schedule from one micro-batch's stage times; ``mtp``: the MTP
-        modules' layers' (forward, backward) seconds in them (``mtp_seconds``)."""
-        p, v, m = self.s.parallelism.pp_size, self.s.parallelism.pp_chunks, self.s.transformer.micro_batches
-        fwd = np.full((p, v), times.forward_s)
-        bwd = np.full((p, v), times.backward_s)
-        fwd[:-1] -= self.head[0]  # only the last stage computes the output head and the loss
-        bwd[:-1] -= self.head[1]
-        if mtp_modules(self.s):  # and the MTP modules
-            fwd[:-1] -= mtp[0]
-            bwd[:-1] -= mtp[1]
-        if self.first_dense[0]:  # only the first the dense-first layers
-            fwd[1:] -= self.first_dense[0]
-            bwd[1:] -= self.first_dense[1]
-        return run_pipeline(np.maximum(fwd, 0.0) / v, np.maximum(bwd, 0.0) / v, self.send_s, m, v)
+    # ---- the schedule -----------------------------------------------------------------------
+    def schedule(self, work: list[RankWork]):
+        """The step's schedule from every rank's chunks (``RankWork``), and the DualPipe pairs'
+        seconds [p, 2] (None for 1F1B)."""
+        m = self.s.transformer.micro_batches
+        fwd = np.array([[c.forward_s for c in w.chunks] for w in work])
+        bwd = np.array([[c.backward_s for c in w.chunks] for w in work])
+        if not self.dualpipe:
+            return run_pipeline(fwd, bwd, self.send_s, m, self.s.parallelism.pp_chunks), None
+        weight = np.array([[c.weight_s for c in w.chunks] for w in work])
+        pair = np.array([[overlapped_seconds(w.chunks[d], w.chunks[1 - d]) for d in (0, 1)] for w in work])
+        return run_dualpipe(fwd, bwd, weight, pair, self.send_s[:-1], m), pair  # no wrap-around boundary
 
-    def apply(self, record: StepRecord, breakdown: dict, phases: list[Phase], tl, layout) -> tuple[StepRecord, dict]:
-        """``record`` and its memory ``breakdown`` (the stage's micro-batch step, its fullest
-        GPU) as the pipelined step's. What runs once per step, not per micro-batch, is
-        every phase outside ``MICRO_BATCH_STAGES`` (gradient sync, optimizer, heat, paging),
-        for the stage times and both byte counts alike."""
-        s = self.s
+    # ---- the step ---------------------------------------------------------------------------
+    def apply(self, step: int, own: SimulatedStage) -> tuple:
+        """The pipelined step's record and memory breakdown (its fullest GPU) from the run's own
+        simulated stage ``own`` (rank 0's) and this step of every other. What runs once per
+        step, not per micro-batch, is every phase outside ``MICRO_BATCH_STAGES`` (gradient sync,
+        optimizer, heat, paging), for the stage times and both byte counts alike."""
+        s, st = self.s, self.stages
         p, v, m = s.parallelism.pp_size, s.parallelism.pp_chunks, s.transformer.micro_batches
-        times = micro_batch_times(phases, tl, record.step_time_s)
-        b = self.builder
-        sched = self.schedule(times, mtp_seconds(phases, tl, b.dense.s.model.num_layers, b.head_phases)
-                              if mtp_modules(self.s) else (0.0, 0.0))
-        record.step_time_s = sched.makespan_s + times.tail_s
-        record.fitted_share = whole_step_fitted_share(phases, tl, m, record.step_time_s)
-        record.stage_time_s = {st: t * (m if st in MICRO_BATCH_STAGES else 1) for st, t in record.stage_time_s.items()}
-        record.bytes_by_stage = {st: b * (m if st in MICRO_BATCH_STAGES else 1) * p
-                                 for st, b in record.bytes_by_stage.items()}
-        once = ByteLedger(layout, None, self.rs_as_ar)
-        for ph in phases:
-            if ph.kind == "ops" and ph.stage not in MICRO_BATCH_STAGES:
-                for op in ph.ops:
-                    once.add_op(op)
-        once_levels = once.level_dict()
-        record.bytes_by_level = {lvl: p * (once_levels.get(lvl, 0) + m * (b - once_levels.get(lvl, 0)))
-                                 for lvl, b in record.bytes_by_level.items()}
-        record.wire_bytes_by_level = None  # the stage's network counters saw one micro-batch
-        # stage 0 keeps in_flight / v micro-batches' activations (its share of them: no logits, the last stage's)
-        extra = max(float(sched.in_flight[0]) / v - 1.0, 0.0) * max(breakdown["activations"] - self.logits_bytes, 0.0)
-        record.peak_memory_bytes = int(record.peak_memory_bytes + extra)
+        sims = [own] + [run(step) for run in self.others]
+        cuts = [StageCuts(x) for x in sims]
+        work = [cuts[k].rank_work(rank, mtp_modules(s)) for rank, k in zip(st.ranks, st.simulated)]
+        sched, pair = self.schedule(work)
+        ends = np.array([float(np.nanmax(sched.end[r])) for r in range(p)])
+        tails = np.array([w.tail_s for w in work])
+        record = own.record
+        record.step_time_s = float(np.max(ends + tails))
+        record.fitted_share = max(whole_step_fitted_share(x.phases, x.tl, m, record.step_time_s) for x in sims)
+        record.stage_time_s = {k: max(x.record.stage_time_s.get(k, 0.0) for x in sims)
+                               * (m if k in MICRO_BATCH_STAGES else 1) for k in record.stage_time_s}
+        counts = [len(st.ranks_of(k)) for k in range(len(sims))]
+        record.bytes_by_stage = {k: sum(n * x.record.bytes_by_stage.get(k, 0) for n, x in zip(counts, sims))
+                                 * (m if k in MICRO_BATCH_STAGES else 1) for k in record.bytes_by_stage}
+        record.bytes_by_level = self._levels(sims, counts)
+        record.wire_bytes_by_level = None  # the stages' network counters saw one micro-batch
+        peaks, breakdowns, held = [], [], []
+        for r, (rank, k, w) in enumerate(zip(st.ranks, st.simulated, work)):
+            x = sims[k]
+            held.append(in_flight_bytes(sched.orders[r], [c.held_bytes for c in w.chunks]))
+            extra = held[-1] - w.simulated_held_bytes
+            delta = embedding_head_delta(x.builder, rank.embedding, rank.loss)
+            peaks.append(x.record.peak_memory_bytes + extra + delta["parameters"] + delta["optimizer_state"])
+            out = dict(x.breakdown)
+            out["activations"] = out["activations"] + extra
+            for key, value in delta.items():
+                out[key] = out[key] + value
+            breakdowns.append(out)
+        fullest = int(np.argmax(peaks))
+        record.peak_memory_bytes = int(peaks[fullest])
+        busy = np.asarray(sched.busy_s)
+        bubble = sched.makespan_s - busy
         record.extra["pipeline"] = {
-            "stages": p, "chunks": v, "micro_batches": m, "makespan_s": float(sched.makespan_s), "tail_s": float(times.tail_s),
-            "micro_batch_forward_s": float(times.forward_s), "micro_batch_backward_s": float(times.backward_s),
-            "bubble_fraction": float(sched.bubble_fraction.max()), "send_s": [float(x) for x in self.send_s],
-            "send_bytes_per_gpu": self.send_bytes * 2 * m * (p * v - 1) / p,
+            "stages": p, "chunks": v, "micro_batches": m, "schedule": self._schedule_name(),
+            "layout": st.layout.source, "makespan_s": float(sched.makespan_s), "tail_s": float(tails.max()),
+            "micro_batch_forward_s": float(max(w.forward_s for w in work)),
+            "micro_batch_backward_s": float(max(w.backward_s for w in work)),
+            "bubble_fraction": float(np.max(sched.bubble_fraction)), "send_s": [float(x) for x in self.send_s],
+            "send_bytes_per_gpu": self.send_bytes * 2 * m * (p * (1 if self.dualpipe else v) - 1) / p,
             "in_flight": [int(x) for x in sched.in_flight],
+            "in_flight_bytes": [float(x) for x in held],
+            "stage_bubble_s": [float(x) for x in bubble],
+            "stage_bubble_fraction": [float(x) for x in sched.bubble_fraction],
+            "stage_busy_s": [float(x) for x in busy],
+            "stage_end_s": [float(x) for x in ends], "stage_tail_s": [float(x) for x in tails],
+            "stage_layers": [r.layers for r in st.ranks],
+            "stage_chunk_layers": [[c.layers for c in r.chunks] for r in st.ranks],
+            "stage_moe_layers": [r.mix[1] for r in st.ranks], "stage_mtp_layers": [r.mix[2] for r in st.ranks],
+            "embedding_stages": [r.rank for r in st.ranks if r.embedding],
+            "loss_stages": [r.rank for r in st.ranks if r.loss],
+            "stage_forward_s": [[c.forward_s for c in w.chunks] for w in work],
+            "stage_backward_s": [[c.backward_s for c in w.chunks] for w in work],
+            "stage_weight_s": [[c.weight_s for c in w.chunks] for w in work],
+            "stage_held_bytes": [[c.held_bytes for c in w.chunks] for w in work],
+            "stage_peak_memory_bytes": [float(x) for x in peaks],
+            "stage_memory_breakdown_bytes": [{k: float(v) for k, v in b.items()} for b in breakdowns],
+            "stage_simulated_as": list(st.simulated), "simulated_stages": len(sims),
+            "parameter_copies": PARAMETER_COPIES if self.dualpipe else 1,
+            "fullest_stage": fullest,
         }
-        return record, dict(breakdown, activations=breakdown["activations"] + extra)
+        if pair is not None:
+            record.extra["pipeline"]["stage_overlapped_s"] = [[float(x) for x in row] for row in pair]
+        return record, breakdowns[fullest]
+
+    def _schedule_name(self) -> str:
+        if self.dualpipe:
+            return "dualpipe"
+        return "interleaved" if self.s.parallelism.pp_chunks > 1 else "1f1b"
+
+    def _levels(self, sims: list[SimulatedStage], counts: list[int]) -> dict:
+        """Bytes by link level of every rank's stage: the once-per-step phases' once, the others
+        m times."""
+        m = self.s.transformer.micro_batches
+        total: dict = {}
+        for x, n in zip(sims, counts):
+            once = ByteLedger(x.layout, None, self.rs_as_ar)
+            for ph in x.phases:
+                if ph.kind == "ops" and ph.stage not in MICRO_BATCH_STAGES:
+                    for op in ph.ops:
+                        once.add_op(op)
+            once_levels = once.level_dict()
+            for lvl, b in x.record.bytes_by_level.items():
+                total[lvl] = total.get(lvl, 0) + n * (once_levels.get(lvl, 0) + m * (b - once_levels.get(lvl, 0)))
+        return total

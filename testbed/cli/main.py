@@ -246,7 +246,11 @@ def _cmd_regress(args) -> int:
 def _cmd_check(args) -> int:
     import tomli_w
 
-    print(tomli_w.dumps(load_scenario(args.config, args.overrides).to_dict()), end="")
+    from testbed.policy.pipeline_stages import check_pipeline
+
+    scenario = load_scenario(args.config, args.overrides)
+    check_pipeline(scenario)  # the pipeline's layout string, stages and schedule (the parser's one-line errors)
+    print(tomli_w.dumps(scenario.to_dict()), end="")
     return 0
 
 

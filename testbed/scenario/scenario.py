@@ -210,11 +210,17 @@ def _check_pipeline(s: "Scenario") -> None:
                             "set transformer.enabled = true")
     if not pipelined:
         return
-    if c.microclusters % p.pp_size and not (c.microclusters == 1 and c.nodes_per_microcluster % p.pp_size == 0):
-        raise ScenarioError("parallelism.pp_size", p.pp_size, "stages are whole micro-clusters (or whole nodes of "
-                            f"one): it must divide cluster.microclusters = {c.microclusters} or, with one, "
-                            f"cluster.nodes_per_microcluster = {c.nodes_per_microcluster}")
-    if m.num_layers % (p.pp_size * p.pp_chunks):
+    nodes = c.microclusters * c.nodes_per_microcluster
+    per = nodes // p.pp_size  # a stage's nodes: whole micro-clusters, or whole nodes of one
+    if nodes % p.pp_size or (per % c.nodes_per_microcluster and c.nodes_per_microcluster % per):
+        raise ScenarioError("parallelism.pp_size", p.pp_size, f"stages are whole nodes, whole micro-clusters or "
+                            f"whole nodes of one: it must divide the cluster's {nodes} nodes so "
+                            f"(cluster.microclusters = {c.microclusters} of nodes_per_microcluster = "
+                            f"{c.nodes_per_microcluster})")
+    # a layout string or uneven first / last stages say each stage's layers (the simulator checks
+    # them: testbed.policy.pipeline_stages.check_pipeline)
+    uneven = p.pipeline_layout or p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers
+    if not uneven and m.num_layers % (p.pp_size * p.pp_chunks):
         raise ScenarioError("model.num_layers", m.num_layers,
                             f"is not a multiple of parallelism.pp_size x pp_chunks = {p.pp_size * p.pp_chunks}")
     if p.pp_chunks > 1 and t.micro_batches % p.pp_size:

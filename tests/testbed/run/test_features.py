@@ -29,9 +29,7 @@ def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch
 
 #: issue 25's layout fields, each with a value that uses it; refused until a backend models it
 LAYOUT_VALUES = {
-    "parallelism": {"cp_size": 2, "etp_size": 2, "moe_layout": "nested", "pipeline_layout": "Et|tL",
-                    "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
-                    "pipeline_schedule": "dualpipe", "attention_parallel": "ulysses"},
+    "parallelism": {"cp_size": 2, "etp_size": 2, "moe_layout": "nested", "attention_parallel": "ulysses"},
 }
 
 
