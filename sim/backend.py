@@ -40,6 +40,7 @@ from sim.step.step_report import figures, trace_events
 from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
 from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
+from testbed.policy.combined_1f1b import check_combined_1f1b
 from testbed.policy.controller import Controller
 from testbed.policy.mtp_layers import controller_scenario
 from testbed.policy.page_moves import add_reason_counts, page_move_count
@@ -272,6 +273,7 @@ class SimBackend:
         uses that the simulator cannot model here (``sim.hardware.model_support``), and a
         pipeline's stages, layout and schedule (``testbed.policy.pipeline_stages``)."""
         check_pipeline(scenario)
+        check_combined_1f1b(scenario)  # Megatron-Core's conditions, pipelined or not
         check_model_support(scenario, load_profile(scenario.cluster.profile))
 
     def run(self, scenario: Scenario, *, progress: bool = False, on_step=None) -> RunResult:

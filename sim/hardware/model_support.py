@@ -66,6 +66,7 @@ def check_recompute(scenario: Scenario) -> None:
         check_recompute_modules(names, shape_of(s), full_recompute=t.recompute == "full",
                                 shared_expert_overlap=s.overlap.shared_experts,
                                 fp8_delayed_scaling=m.gemm_dtype == "fp8" and m.fp8_scaling == "tensor",
-                                grouped_experts=s.sim.expert_kernel == "grouped", moe_a2a_overlap=False)
+                                grouped_experts=s.sim.expert_kernel == "grouped",
+                                moe_a2a_overlap=s.overlap.moe_expert_parallel_comm)
     except ScenarioError as e:  # the field's value as the scenario spells it (a string), the reason Megatron's
         raise ScenarioError("transformer.recompute_modules", t.recompute_modules, e.reason) from None

@@ -52,11 +52,12 @@ from sim.network.network import Network
 from sim.pipeline.dualpipe import PARAMETER_COPIES, run_dualpipe
 from sim.pipeline.schedule import run_pipeline
 from sim.pipeline.stage_memory import embedding_head_delta, in_flight_bytes
-from sim.pipeline.stage_work import MICRO_BATCH_STAGES, RankWork, SimulatedStage, StageCuts, overlapped_seconds
+from sim.pipeline.stage_work import MICRO_BATCH_STAGES, RankWork, SimulatedStage, StageCuts, pair_seconds
 from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
 from sim.step.step_report import fitted_by_rank
 from testbed.policy.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce
+from testbed.policy.combined_1f1b import check_combined_1f1b, combined_1f1b
 from testbed.policy.mtp_layers import mtp_modules
 from testbed.policy.pipeline_stages import PipelineStages, dualpipe
 from testbed.scenario.scenario import Scenario
@@ -106,23 +107,27 @@ class PipelinedStep:
         """``stages``: the scenario's (``PipelineStages.of``); the run simulates
         ``stages.scenarios[0]`` itself, ``runner(stage_scenario)`` gives the step function of
         each other one (``step -> SimulatedStage``, as the run's loop makes its own)."""
+        check_combined_1f1b(scenario)  # before the first step: a refused run leaves no folder
         self.s, self.stages = scenario, stages
         self.send_s, self.send_bytes = boundary_send_seconds(scenario, profile)
         self.rs_as_ar = reduce_scatter_runs_as_all_reduce(profile)  # gloo: testbed.policy.collectives
         self.others = [runner(st) for st in stages.scenarios[1:]]
         self.dualpipe = dualpipe(scenario)
+        self.combined = combined_1f1b(scenario)  # Megatron's combined 1F1B: steady-state pairs overlapped
 
     # ---- the schedule -----------------------------------------------------------------------
     def schedule(self, work: list[RankWork]):
-        """The step's schedule from every rank's chunks (``RankWork``), and the DualPipe pairs'
-        seconds [p, 2] (None for 1F1B)."""
+        """The step's schedule from every rank's chunks (``RankWork``), and its pairs' seconds
+        (``stage_work.pair_seconds``): DualPipe's [p, 2] by the forward's direction, combined
+        1F1B's [p, v, v] by (forward's chunk, backward's chunk); None for plain 1F1B."""
         m = self.s.transformer.micro_batches
         fwd = np.array([[c.forward_s for c in w.chunks] for w in work])
         bwd = np.array([[c.backward_s for c in w.chunks] for w in work])
         if not self.dualpipe:
-            return run_pipeline(fwd, bwd, self.send_s, m, self.s.parallelism.pp_chunks), None
+            pair = pair_seconds(work) if self.combined else None
+            return run_pipeline(fwd, bwd, self.send_s, m, self.s.parallelism.pp_chunks, pair), pair
         weight = np.array([[c.weight_s for c in w.chunks] for w in work])
-        pair = np.array([[overlapped_seconds(w.chunks[d], w.chunks[1 - d]) for d in (0, 1)] for w in work])
+        pair = pair_seconds(work)[:, [0, 1], [1, 0]]  # direction d's forward with the other's backward
         return run_dualpipe(fwd, bwd, weight, pair, self.send_s[:-1], m), pair  # no wrap-around boundary
 
     # ---- the step ---------------------------------------------------------------------------
@@ -193,9 +198,22 @@ class PipelinedStep:
             "parameter_copies": PARAMETER_COPIES if self.dualpipe else 1,
             "fullest_stage": fullest,
         }
+        pipe = record.extra["pipeline"]
+        pipe["moe_expert_parallel_comm"] = self.combined
+        pipe["stage_overlapped_pairs"] = self._pairs(sched)
+        pipe["overlapped_pairs"] = sum(pipe["stage_overlapped_pairs"])
         if pair is not None:
-            record.extra["pipeline"]["stage_overlapped_s"] = [[float(x) for x in row] for row in pair]
+            key = "stage_pair_s" if self.combined else "stage_overlapped_s"
+            pipe[key] = pair.tolist()
+            pipe["stage_forward_compute_s"] = [[c.forward_compute_s for c in w.chunks] for w in work]
+            pipe["stage_backward_compute_s"] = [[c.backward_compute_s for c in w.chunks] for w in work]
         return record, breakdowns[fullest]
+
+    def _pairs(self, sched) -> list[int]:
+        """Overlapped pairs each rank ran: DualPipe's F&B ops, combined 1F1B's steady-state ones."""
+        if self.dualpipe:
+            return [sum(op.kind == "F&B" for op in order) for order in sched.orders]
+        return [int(x) for x in sched.pairs]
 
     def _schedule_name(self) -> str:
         if self.dualpipe:

@@ -12,6 +12,19 @@ boundary between stage s and (s + 1) % p. They are asynchronous for the sender (
 but each (boundary, direction) is a FIFO channel: a send starts at max(data ready, previous send on it done).
 With p = 1 the chunks hand over on the same stage at no cost.
 
+Combined 1F1B (``pair_s``; Megatron-Core's ``--overlap-moe-expert-parallel-comm``): each steady-state forward and
+backward run as one op, an ``OverlappedPair`` of ``pair_s[s, forward chunk, backward chunk]`` seconds, which
+starts when both inputs are there and hands both outputs on at its end; warm-up and cool-down ops run alone.
+Megatron schedules one forward more in the warm-up (``get_pp_rank_microbatches``: "to ensure the forward and
+backward computations are independent in all 1f1b steps"), so a pair never holds a micro-batch's forward and its
+own backward; with p = 1 that is ``combined_1f1b_schedule_for_no_pipelining``'s order (micro-batch 0's forward
+alone, then micro-batch i+1's forward with i's backward, the last backward alone). Megatron-LM at
+d98e8a64ddf34856e74b24714e3bedb2f5a39553: ``core/pipeline_parallel/schedules.py``, ``combined_1f1b.py``.
+On equal stages with free sends each pair of the last stage, which runs the most (m v - (v-1) p - 1; m - 1 for
+p = 1), shortens the step by F + B - pair (tests/sim/pipeline/test_a2a_overlap.py). With v = 1 and p > 1, which
+Megatron refuses, a stage's pair k waits for the next stage's pair k-1, which waits for its own pair k-1: the
+last stage runs a pair every 2 x pair seconds, never faster than 1F1B's F + B.
+
 Sources: Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters using
 Megatron-LM", §2.2 (1F1B, interleaved schedule, bubble (p-1)/(v m) of the ideal time); Megatron-LM's
 ``core/pipeline_parallel/schedules.py`` (``forward_backward_pipelining_without_interleaving`` and
@@ -24,6 +37,7 @@ stage's compute with itself (one op at a time), optimizer step, gradient all-red
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,7 +61,21 @@ class PipelineSchedule:
     bubble_fraction: np.ndarray
     in_flight: np.ndarray
     sends: list[tuple[int, int, str, int, float, float]]
-    orders: list[list[tuple[str, int, int]]]
+    orders: list[list[Op]]
+    pairs: np.ndarray
+
+
+class OverlappedPair(NamedTuple):
+    """One steady-state op of combined 1F1B: the forward of (``forward_chunk``, ``forward_micro_batch``) and the
+    backward of (``backward_chunk``, ``backward_micro_batch``) run as one, layer by layer (module doc)."""
+
+    forward_chunk: int
+    forward_micro_batch: int
+    backward_chunk: int
+    backward_micro_batch: int
+
+
+Op = tuple[str, int, int] | OverlappedPair  # an op of a stage's order: ("F" | "B", chunk, micro_batch) or a pair
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -66,13 +94,16 @@ def _seconds(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _warmup(p: int, m: int, v: int, s: int) -> int:
-    """Forwards stage s runs before its first backward (Megatron-LM's ``num_warmup_microbatches``)."""
+def _warmup(p: int, m: int, v: int, s: int, overlap: bool = False) -> int:
+    """Forwards stage s runs before its first backward (Megatron-LM's ``num_warmup_microbatches``); ``overlap``:
+    combined 1F1B's, one more (module doc), after today's ``get_pp_rank_microbatches``, which has no all-warm-up
+    case for m == p any longer (dropped in Megatron-LM 4295be1a6c, before combined 1F1B was written)."""
+    extra = 1 if overlap else 0
     if v == 1:
-        return min(p - s - 1, m)
-    if m == p:  # Megatron: with as many micro-batches as stages the whole step is warm-up ("all_warmup")
+        return min(p - s - 1 + extra, m)
+    if m == p and not overlap:  # Megatron: as many micro-batches as stages, the whole step is warm-up ("all_warmup")
         return m * v
-    return min((p - s - 1) * 2 + (v - 1) * p, m * v)
+    return min((p - s - 1) * 2 + (v - 1) * p + extra, m * v)
 
 
 def _op(kind: str, k: int, p: int, v: int) -> tuple[str, int, int]:
@@ -82,32 +113,40 @@ def _op(kind: str, k: int, p: int, v: int) -> tuple[str, int, int]:
     return kind, (chunk if kind == "F" else v - 1 - chunk), micro
 
 
-def schedule_order(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
-    """Stage s's op order as ("F"|"B", chunk, micro_batch): warm-up forwards, 1F1B, remaining backwards."""
+def schedule_order(p: int, m: int, v: int, s: int, overlap: bool = False) -> list[Op]:
+    """Stage s's op order as ("F"|"B", chunk, micro_batch): warm-up forwards, 1F1B, remaining backwards; with
+    ``overlap`` (combined 1F1B, module doc) one warm-up forward more and each steady-state forward and backward
+    one ``OverlappedPair``."""
     p, m, v = _positive_int("p", p), _positive_int("m", m), _positive_int("v", v)
     if not 0 <= s < p:
         raise ValueError(f"s must be in [0, {p}), got {s!r}")
     if v > 1 and m % p:
         raise ValueError(f"interleaving (v={v}) needs micro_batches % stages == 0, got m={m}, p={p}")
-    total, warm = m * v, _warmup(p, m, v, s)
-    order = [_op("F", k, p, v) for k in range(warm)]
+    total, warm = m * v, _warmup(p, m, v, s, overlap)
+    order: list[Op] = [_op("F", k, p, v) for k in range(warm)]
     for k in range(total - warm):  # steady state: one forward, then one backward
-        order += [_op("F", warm + k, p, v), _op("B", k, p, v)]
+        fwd, bwd = _op("F", warm + k, p, v), _op("B", k, p, v)
+        order += [OverlappedPair(fwd[1], fwd[2], bwd[1], bwd[2])] if overlap else [fwd, bwd]
     return order + [_op("B", k, p, v) for k in range(total - warm, total)]
 
 
-def _max_in_flight(order: list[tuple[str, int, int]]) -> int:
-    """Most forwards done and backwards not started at once; ops are serial so a prefix count is exact."""
+def _max_in_flight(order: list[Op]) -> int:
+    """Most forwards done and backwards not started at once; ops are serial so a prefix count is exact (a pair
+    frees its backward's micro-batch as it takes its forward's: the two walk the layers in opposite order)."""
     held = most = 0
-    for kind, _, _ in order:
-        held += 1 if kind == "F" else -1
+    for op in order:
+        if not isinstance(op, OverlappedPair):
+            held += 1 if op[0] == "F" else -1
         most = max(most, held)
     return most
 
 
-def run_pipeline(forward_s, backward_s, send_s, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
+def run_pipeline(forward_s, backward_s, send_s, micro_batches: int, chunks: int = 1,
+                 pair_s=None) -> PipelineSchedule:
     """Time one step: ``forward_s`` / ``backward_s`` [p, chunks] seconds per micro-batch and chunk,
-    ``send_s`` [p] seconds per micro-batch across boundary s -> (s + 1) % p; p from ``forward_s``."""
+    ``send_s`` [p] seconds per micro-batch across boundary s -> (s + 1) % p; p from ``forward_s``.
+    ``pair_s`` [p, chunks, chunks]: combined 1F1B (module doc), seconds of an ``OverlappedPair`` on stage s
+    by (forward chunk, backward chunk); None: plain (interleaved) 1F1B."""
     m, v = _positive_int("micro_batches", micro_batches), _positive_int("chunks", chunks)
     shape = np.shape(forward_s)
     if len(shape) != 2 or shape[0] < 1:
@@ -115,33 +154,44 @@ def run_pipeline(forward_s, backward_s, send_s, micro_batches: int, chunks: int 
     p = shape[0]
     dur = np.stack([_seconds("forward_s", forward_s, (p, v)), _seconds("backward_s", backward_s, (p, v))], axis=1)
     send = _seconds("send_s", send_s, (p,))
+    pair = None if pair_s is None else _seconds("pair_s", pair_s, (p, v, v))
     if v > 1 and m % p:
         raise ValueError(f"interleaving (chunks={v}) needs micro_batches % stages == 0, got "
                          f"micro_batches={m}, stages={p}")
-    orders = [schedule_order(p, m, v, s) for s in range(p)]
+    orders = [schedule_order(p, m, v, s, overlap=pair is not None) for s in range(p)]
     start, end = np.full((p, 2, v, m), np.nan), np.full((p, 2, v, m), np.nan)
     arrive = np.full((2, p * v, m), np.nan)  # when op (kind, g, i)'s output is at its consumer's stage
     channel_free: dict[tuple[int, int], float] = {}  # (boundary, kind) -> when its last send ends
     sends: list[tuple[int, int, str, int, float, float]] = []
+    saved = np.zeros(p)  # seconds each stage's pairs take less than their two ops one after the other
     ptr, free = [0] * p, [0.0] * p
     while any(ptr[s] < len(orders[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             while ptr[s] < len(orders[s]):
-                kind_s, c, i = orders[s][ptr[s]]
-                kind, g = (F if kind_s == "F" else B), c * p + s
-                ready = _input_ready(arrive, kind, g, i, p * v)
-                if np.isnan(ready):
+                op = orders[s][ptr[s]]
+                if isinstance(op, OverlappedPair):
+                    halves = ((F, op.forward_chunk, op.forward_micro_batch),
+                              (B, op.backward_chunk, op.backward_micro_batch))
+                    seconds = pair[s, op.forward_chunk, op.backward_chunk]
+                else:
+                    halves = (((F if op[0] == "F" else B), op[1], op[2]),)
+                    seconds = dur[s, halves[0][0], halves[0][1]]
+                inputs = [_input_ready(arrive, kind, c * p + s, i, p * v) for kind, c, i in halves]
+                if any(np.isnan(x) for x in inputs):
                     break  # input not produced yet: let the other stages catch up
-                t0 = max(free[s], ready)
-                free[s] = t1 = t0 + dur[s, kind, c]
-                start[s, kind, c, i], end[s, kind, c, i] = t0, t1
-                _deliver(arrive, channel_free, sends, send, kind, g, i, s, p, v, t1)
+                t0 = max(free[s], *inputs)
+                free[s] = t1 = t0 + seconds
+                if len(halves) == 2:
+                    saved[s] += dur[s, F, op.forward_chunk] + dur[s, B, op.backward_chunk] - seconds
+                for kind, c, i in halves:  # a pair hands on its forward's output, then its backward's
+                    start[s, kind, c, i], end[s, kind, c, i] = t0, t1
+                    _deliver(arrive, channel_free, sends, send, kind, c * p + s, i, s, p, v, t1)
                 ptr[s] += 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"schedule deadlocks at ops {[o[q] for o, q in zip(orders, ptr) if q < len(o)]}")
-    return _result(p, m, v, start, end, dur, sends, orders)
+    return _result(p, m, v, start, end, dur, sends, orders, saved)
 
 
 def _input_ready(arrive: np.ndarray, kind: int, g: int, i: int, n: int) -> float:
@@ -167,11 +217,12 @@ def _deliver(arrive, channel_free, sends, send, kind, g, i, s, p, v, t_done) -> 
     sends.append((s, dest, "FB"[kind], i, t0, t1))
 
 
-def _result(p, m, v, start, end, dur, sends, orders) -> PipelineSchedule:
+def _result(p, m, v, start, end, dur, sends, orders, saved) -> PipelineSchedule:
     makespan = float(np.max(end))
-    busy = m * dur.sum(axis=(1, 2))  # every (kind, chunk) op runs once per micro-batch
+    busy = m * dur.sum(axis=(1, 2)) - saved  # every (kind, chunk) op runs once per micro-batch, a pair's in less
     bubble = 1.0 - busy / makespan if makespan > 0 else np.zeros(p)
     in_flight = np.array([_max_in_flight(o) for o in orders])
-    for arr in (start, end, busy, bubble, in_flight):
+    pairs = np.array([sum(isinstance(op, OverlappedPair) for op in o) for o in orders])
+    for arr in (start, end, busy, bubble, in_flight, pairs):
         arr.flags.writeable = False
-    return PipelineSchedule(p, m, v, start, end, makespan, busy, bubble, in_flight, sends, orders)
+    return PipelineSchedule(p, m, v, start, end, makespan, busy, bubble, in_flight, sends, orders, pairs)

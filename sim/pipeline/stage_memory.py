@@ -13,11 +13,13 @@ head it holds, and the micro-batches' activations its schedule keeps in flight.
   chunk's ``held_bytes`` until its backward starts (``in_flight_bytes``; DualPipe: an
   input-gradient backward frees them, its weight gradient later keeps none, an overlapped
   pair frees its backward's before its forward's are taken, as ``sim.pipeline.dualpipe``
-  counts micro-batches). The simulated stage held one micro-batch of each of its layers at
-  its forward's end, where its memory peaks: a rank's peak is its stage's less that, plus
-  the most its schedule holds at once, plus the embedding's and head's weights and Adam
-  state it holds more (held all step; their gradients come in the backward, after the
-  peak, and change the breakdown's ``gradients`` only).
+  counts micro-batches; combined 1F1B's pairs likewise, their two halves walking the layers
+  in opposite order, so a pair's own peak, up to a layer more, is left out). The simulated
+  stage held one micro-batch of each of its layers at its forward's end, where its memory
+  peaks: a rank's peak is its stage's less that, plus the most its schedule holds at once,
+  plus the embedding's and head's weights and Adam state it holds more (held all step;
+  their gradients come in the backward, after the peak, and change the breakdown's
+  ``gradients`` only).
 
 Left out: the gradient sync of an embedding or head a rank does not hold (its simulated
 stage still all-reduces them: ``sim.pipeline.run``'s tail and bytes), and the cross-stage
@@ -27,6 +29,7 @@ all-reduce of a tied embedding's or of DualPipe's two copies' gradients.
 from __future__ import annotations
 
 from sim.pipeline.dualpipe import DualPipeOp
+from sim.pipeline.schedule import OverlappedPair
 
 
 def embedding_head_params(shape, embedding: bool, loss: bool) -> int:
@@ -53,7 +56,7 @@ def embedding_head_delta(builder, embedding: bool, loss: bool) -> dict[str, floa
 
 def in_flight_bytes(order, held: list[float]) -> float:
     """The most activation bytes a rank keeps at once over its op ``order`` (module doc):
-    ``sim.pipeline.schedule`` orders of ("F" | "B", chunk, micro-batch), or
+    ``sim.pipeline.schedule`` orders of ("F" | "B", chunk, micro-batch) and ``OverlappedPair``, or
     ``sim.pipeline.dualpipe`` ones (``DualPipeOp``, a direction's chunk); ``held[c]``: chunk
     c's bytes for one micro-batch."""
     now = most = 0.0
@@ -66,6 +69,9 @@ def in_flight_bytes(order, held: list[float]) -> float:
                 now += held[op.direction]
             elif op.kind in ("B", "I"):
                 now -= held[op.direction]
+        elif isinstance(op, OverlappedPair):
+            now -= held[op.backward_chunk]
+            now += held[op.forward_chunk]
         else:
             kind, chunk, _ = op
             now += held[chunk] if kind == "F" else -held[chunk]

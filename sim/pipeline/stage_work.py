@@ -32,8 +32,8 @@ core's forward (``attention_core_seconds``: flash attention has no weights, its 
 input gradient); the attention core's backward, the fp8 casts, the recomputed forward and
 the token exchange's and tensor-parallel collectives' backward are the input-gradient part.
 ``forward_compute_s`` / ``backward_compute_s`` are the chunk's compute-stream seconds, the
-rest of its span being collectives and waits: what an overlapped forward-backward pair can
-hide behind the other's compute (``overlapped_seconds``).
+rest of its span being collectives and waits: what an overlapped forward-backward pair (DualPipe's,
+combined 1F1B's) can hide behind the other's compute (``overlapped_seconds``, ``pair_seconds``).
 
 Activations (``held_bytes``): what the chunk's forward phases allocate until its backward
 (``Phase.mem_delta``: dense blocks, experts' rows, shared experts, fp8 weight copies), the
@@ -209,10 +209,19 @@ class StageCuts:
 
 
 def overlapped_seconds(fwd: ChunkWork, bwd: ChunkWork) -> float:
-    """Seconds of DualPipe's overlapped pair: ``fwd``'s forward with ``bwd``'s whole backward, each
-    one's collectives hidden behind the other's compute (DeepSeek-V3 §3.2.1, Fig. 4): the
-    longer of the two compute streams' sum and the two collectives' sum, never more than
-    running them one after the other."""
+    """Seconds of an overlapped pair: ``fwd``'s forward with ``bwd``'s whole backward, each one's
+    collectives hidden behind the other's compute - DualPipe's F&B (DeepSeek-V3 §3.2.1, Fig. 4)
+    and Megatron-Core's combined 1F1B (``testbed.policy.combined_1f1b``) alike: the longer of
+    the two compute streams' sum and the two collectives' sum, never more than running them
+    one after the other. Left out: the SMs a DeepEP exchange (``comm.deepep_sms``) takes from
+    the other half's compute, which the simulated stage charges only where it overlapped there."""
     compute = fwd.forward_compute_s + bwd.backward_compute_s
     comm = (fwd.forward_s - fwd.forward_compute_s) + (bwd.backward_s - bwd.backward_compute_s)
     return min(max(compute, comm), fwd.forward_s + bwd.backward_s)
+
+
+def pair_seconds(work: list[RankWork]) -> np.ndarray:
+    """[p, v, v] seconds of each rank's overlapped pairs (``overlapped_seconds``) by (forward's
+    chunk, backward's chunk), its v chunks in its order: combined 1F1B's ``pair_s``; DualPipe's
+    are the pairs of its two chunks, [r, d, 1 - d] (a forward of direction d)."""
+    return np.array([[[overlapped_seconds(f, b) for b in w.chunks] for f in w.chunks] for w in work])

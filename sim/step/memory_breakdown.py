@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from sim.hardware.dense_layers import grouped_sum
 from sim.step.phases import StepDecisions
-from testbed.policy.whole_model import block_grad_bytes, zero_shards
+from testbed.policy.whole_model import block_grad_bytes
 
 
 def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, float]:
@@ -57,7 +57,7 @@ def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, floa
         if t.enabled:
             params += sum(h - a for h, a in zip(dense.held_bytes, dense.activation_bytes))
             params += dense.head_held_bytes - dense.head_activation_bytes
-    _, _, dense_shard, expert_shard = zero_shards(s)  # ZeRO-2 keeps a shard of each gradient
+    _, _, dense_shard, expert_shard = builder.zero  # ZeRO-2 keeps a shard of each gradient (of an ETP slice)
     activations = sum(float(builder.activation_bytes(r)[rank]) for r in rows)
     gradients = sum(int((r[rank] > 0).sum()) for r in rows) * builder.expert_update_bytes / expert_shard + router_bytes
     if shared.enabled:

@@ -86,6 +86,7 @@ from sim.step.phases import Phase, StepDecisions, unhidden_seconds
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
 from testbed.policy.collectives import CollectiveOp
+from testbed.policy.expert_tensor_parallel import expert_slice_shape, expert_zero_shards
 from testbed.policy.fp8_casts import linears_copy_bytes
 from testbed.policy.page_moves import GPU, HOST
 from testbed.policy.pager_pool import MovesByRank
@@ -155,6 +156,10 @@ class PhaseBuilder:
             raise ValueError("deepep's SMs beside micro-batched or shared experts need op_seconds, to time the overlap")
         self.op_seconds = op_seconds
         m, w = scenario.model, layout.world
+        #: expert TP: each GPU holds 1/etp of every local expert, its inner dimension ``expert_ffn``
+        #: (``testbed.policy.expert_tensor_parallel``), and computes it on its ETP group's rows
+        self.etp = layout.etp_size
+        self.expert_ffn = m.ffn_hidden_size // self.etp
         # device bytes of one page slot: a page, or a whole expert smaller than a page (RankPager.slot_bytes)
         self.page_bytes = min(scenario.pager.page_size_bytes, m.expert_bytes)
         # pages an expert's weights are read or updated in (real/paging/paged_store.py); unpaged: one tensor
@@ -164,23 +169,28 @@ class PhaseBuilder:
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
         self.dense = DenseLayers(model or scenario, compute)  # the whole transformer's non-MoE work (issue 13)
         self.zero = zero_shards(scenario)  # ZeRO: (dense state, expert state, dense grad, expert grad) shards
+        if self.etp > 1:  # an expert slice's are over its expert-DP group
+            state, grad = expert_zero_shards(scenario, w)
+            self.zero = (self.zero[0], state, self.zero[2], grad)
         #: bytes of each layer block's gradients a GPU keeps (its ZeRO-2 shard): the whole transformer's
         #: dense ones and the shared experts' (freed by the optimizer), the dense ones alone (dense_backward's);
         #: over the controller's layers, as its planner's buckets sum them
         self.block_grads = [block_grad_bytes(scenario, layer) / self.zero[2] for layer in range(m.num_layers)]
         self.shared_grads = shared_expert_grad_bytes(scenario) / self.zero[2]
         self.dense_block_grads = [g - self.shared_grads for g in self.block_grads]
-        moe = moe_layer_shape(scenario)
+        moe = expert_slice_shape(moe_layer_shape(scenario), self.etp)  # a GPU's slice of each routed expert
         #: a routed expert's parameters outside its pages (``model.ffn_bias``: (matrices - 1) F + H biases)
-        self.expert_bias_params = moe.expert_params - m.expert_params
+        self.expert_bias_params = moe.expert_params - moe.expert_matrix_params
+        #: parameters of a routed expert's matrices on a GPU (1/etp of the expert's)
+        self.expert_matrix_params = moe.expert_matrix_params
         #: bytes of a routed expert's weights, gradient or optimizer update: its pages' and its biases'
-        self.expert_update_bytes = m.expert_bytes + self.expert_bias_params * m.dtype_bytes
+        self.expert_update_bytes = (m.expert_bytes // self.etp) + self.expert_bias_params * m.dtype_bytes
         #: bytes of weights every GPU holds outside the pages besides the routers and the dense ones: the
         #: shared experts' (whole) and the local routed experts' biases
         self.extra_param_bytes = m.num_layers * (self.shared.params + self.local.shape[1] * self.expert_bias_params) \
             * m.dtype_bytes
         #: fp8 GEMMs: bytes of one routed expert's fp8 weight copies, held from its forward to its backward
-        self.expert_copy_bytes = (float(linears_copy_bytes(moe.ffn_linears(m.ffn_hidden_size), m.fp8_scaling))
+        self.expert_copy_bytes = (float(linears_copy_bytes(moe.ffn_linears(self.expert_ffn), m.fp8_scaling))
                                   if compute.fp8 else 0.0)
         self._recompute_modules(scenario)
 
@@ -189,16 +199,16 @@ class PhaseBuilder:
         m = scenario.model
         self.modules = recompute_modules_of(scenario)  # Megatron-Core's recompute modules, in order
         #: bytes an expert row keeps: without recompute modules, and with them
-        self.full_row_bytes = float(expert_row_elements(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices)
+        self.full_row_bytes = float(expert_row_elements(m.hidden_size, self.expert_ffn, m.ffn_matrices)
                                     * m.dtype_bytes)
         self.row_bytes = self.full_row_bytes
         #: what moe's and moe_act's recomputes run again per token and row (the shared experts' aside)
         self.moe_work = self.moe_act_work = None
         if not self.modules:
             return
-        shape, seq_len = shape_of(scenario), scenario.transformer.seq_len
+        shape, seq_len = expert_slice_shape(shape_of(scenario), self.etp), scenario.transformer.seq_len
         saved = recompute_savings(shape, True, self.modules, seq_len, m.dtype_bytes)
-        self.row_bytes = expert_row_bytes(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices, m.dtype_bytes, saved.row)
+        self.row_bytes = expert_row_bytes(m.hidden_size, self.expert_ffn, m.ffn_matrices, m.dtype_bytes, saved.row)
         routed = LayerRecompute(replace(shape, shared_experts=0), True, seq_len)  # the shared experts: theirs
         if "moe" in self.modules:  # its one token GEMM is the router's, timed as the route's (router_s)
             self.moe_work = routed.work("moe")
@@ -207,15 +217,17 @@ class PhaseBuilder:
 
     # ---- sizes ------------------------------------------------------------------------------
     def expert_rows(self, fwd: LayerForward) -> np.ndarray:
-        """[W, E/P] rows each local expert computes: kept slots of the rank's EP group."""
+        """[W, E/P] rows each local expert computes: kept slots of the rank's EP group; with
+        expert TP those of its ETP group's EP groups (the rows the ETP all-gather brings)."""
         per_group = fwd.kept[self.layout.rank_of].sum(axis=1)  # [R, E]
-        return np.take_along_axis(per_group[self.layout.group_of], self.local, axis=1)
+        rows = np.take_along_axis(per_group[self.layout.group_of], self.local, axis=1)
+        return rows[self.layout.etp_members].sum(axis=1) if self.etp > 1 else rows
 
     def expert_seconds(self, rows: np.ndarray, backward: bool) -> np.ndarray:
         """[W] seconds of a layer's experts on each rank: the GEMMs, and reading the weights
         of every expert that computes from its pages (forward, and again in the backward)."""
         m = self.s.model
-        gemm = self.compute.expert_times(rows, m.hidden_size, m.ffn_hidden_size, self.s.sim.expert_kernel, backward,
+        gemm = self.compute.expert_times(rows, m.hidden_size, self.expert_ffn, self.s.sim.expert_kernel, backward,
                                          m.ffn_matrices)
         return gemm + self.page_read_seconds(rows)
 
@@ -247,7 +259,7 @@ class PhaseBuilder:
         m = self.s.model
         if self.modules:
             return self.s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes + rows.sum(axis=1) * self.row_bytes
-        per_row = 0 if self.recompute else expert_row_elements(m.hidden_size, m.ffn_hidden_size, m.ffn_matrices)
+        per_row = 0 if self.recompute else expert_row_elements(m.hidden_size, self.expert_ffn, m.ffn_matrices)
         return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
 
     def fp8_copy_bytes(self, rows: np.ndarray) -> np.ndarray:
@@ -438,7 +450,7 @@ class PhaseBuilder:
             return np.array([self.compute.optimizer_time(b + router_bytes + dense)
                              for b in n_updated * self.expert_update_bytes])
         dense_shard, expert_shard, _, _ = self.zero  # ZeRO: each rank updates its shard
-        experts = n_updated * (m.expert_params + self.expert_bias_params)
+        experts = n_updated * (self.expert_matrix_params + self.expert_bias_params)
         params = experts / expert_shard + (self.dense.dense_params + self.dense.router_params + shared) / dense_shard
         return np.array([self.compute.adam_time(p, m.dtype_bytes, t.optimizer_state_bytes) for p in params])
 

@@ -66,6 +66,12 @@ When the EP group is the world (one replica) the route all_gather already gives 
 rank the world's counts, and discovery, refresh requests and (for kept-slot heat) the
 heat all_reduce are not needed.
 
+Expert tensor parallelism (``parallelism.etp_size`` > 1, ``testbed.policy.expert_tensor_parallel``):
+the route's counts are gathered over each ETP x EP group (Megatron-Core's ``tp_ep``), each
+token stage adds the ETP group's all-gather after the all-to-all (dispatch,
+combine_backward) or its reduce-scatter before it (combine, dispatch_backward), and the
+expert sync all-reduces each slice over its expert-DP group.
+
 Ops with a single member move nothing and are left out.
 """
 
@@ -75,6 +81,7 @@ import numpy as np
 
 from testbed.policy import deepep
 from testbed.policy.collectives import CollectiveOp
+from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel, etp_token_ops, with_etp_ops
 from testbed.policy.tensor_parallel_ops import TensorParallelOps
 from testbed.policy.whole_model import block_grad_bytes
 from testbed.scenario.scenario import Scenario
@@ -99,6 +106,8 @@ class Planner:
         self.token_bytes = m.hidden_size * payload
         self.tokens = scenario.workload.tokens_per_rank
         self.world = tuple(range(self.layout.world))
+        check_expert_tensor_parallel(scenario)
+        self.etp = self.layout.etp_size  # expert tensor parallelism (module doc)
         self.strategy = scenario.comm.token_strategy
         self.grids = ([self.layout.node_grid(g) for g in range(self.layout.replicas)]
                       if self.strategy == "hierarchical" else None)
@@ -118,6 +127,9 @@ class Planner:
         if lay.ep_size < 2:
             return []
         size = self.s.model.num_experts * COUNT_BYTES
+        if self.etp > 1:  # Megatron-Core's preprocess: over tp_ep, the ETP peers' counts size the all-gather
+            return [CollectiveOp("all_gather", group, "route", layer, size=size, label="routed counts")
+                    for group in lay.tp_ep_groups()]
         return [CollectiveOp("all_gather", tuple(sorted(lay.ep_group(g))), "route", layer, size=size,
                              label="routed counts") for g in range(lay.replicas)]
 
@@ -188,7 +200,17 @@ class Planner:
         return per_expert.reshape(lay.replicas, p, p, lay.experts_per_rank).sum(-1).astype(np.int64) * self.token_bytes
 
     def token_ops(self, stage: str, layer: int, kept: np.ndarray) -> list[CollectiveOp]:
-        """Ops of one token stage (dispatch, combine or their backward) for all groups."""
+        """Ops of one token stage (dispatch, combine or their backward) for all groups;
+        with expert TP the ETP groups' all-gather or reduce-scatter besides (module doc)."""
+        ops = self._ep_token_ops(stage, layer, kept)
+        if self.etp == 1:
+            return ops
+        m = self.s.model
+        return with_etp_ops(stage, ops, etp_token_ops(stage, layer, kept, self.layout, self.token_bytes,
+                                                      m.hidden_size * m.dtype_bytes))
+
+    def _ep_token_ops(self, stage: str, layer: int, kept: np.ndarray) -> list[CollectiveOp]:
+        """The EP groups' ops of one token stage (the module doc's strategies)."""
         ops: list[CollectiveOp] = []
         lay = self.layout
         if lay.ep_size < 2:
@@ -368,6 +390,8 @@ class Planner:
         lay = self.layout
         wanted = [self.world] + [tuple(sorted(lay.ep_group(g))) for g in range(lay.replicas)]
         wanted += [tuple(sorted(lay.replica_group(j))) for j in range(lay.ep_size)]
+        if self.etp > 1:  # expert TP: its route's, its token ops' and its sync's groups
+            wanted += lay.tp_ep_groups() + [tuple(sorted(g)) for g in lay.etp_groups()] + lay.expert_dp_groups()
         if self.s.parallelism.tp_size > 1 and self.s.transformer.enabled:
             wanted += self.tp_groups() + self.tp_peer_groups()
         for grid in self.grids or []:
@@ -448,6 +472,11 @@ class Planner:
         lay, m = self.layout, self.s.model
         if lay.replicas < 2:
             return []
+        if self.s.comm.expert_sync == "allreduce" and self.etp > 1:  # each slice over its expert-DP group
+            size = lay.experts_per_rank * m.expert_bytes // self.etp
+            return [CollectiveOp("all_reduce", group, "expert_sync", layer, size=size, stream=int(lay.index_of[group[0]]),
+                                 label=f"expert-TP slice {lay.etp_index[group[0]]}, shard {lay.index_of[group[0]]}")
+                    for group in lay.expert_dp_groups() if len(group) > 1]
         if self.s.comm.expert_sync == "allreduce":
             size = lay.experts_per_rank * m.expert_bytes
             return [CollectiveOp("all_reduce", tuple(sorted(lay.replica_group(j))), "expert_sync", layer, size=size,

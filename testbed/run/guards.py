@@ -76,11 +76,12 @@ def estimate(scenario: Scenario, backend: str) -> dict:
     allocations = [  # (fields, their values, what is allocated, bytes)
         ("model.hidden_size x model.ffn_hidden_size", f"{H} x {m.ffn_hidden_size}", "one expert's weights",
          m.expert_bytes),
-        ("workload.tokens_per_rank x model.hidden_size", f"{T} x {H}", "a rank's routed tokens",
-         T * H * max(m.dtype_bytes, 4) * m.top_k),
         ("run.steps x model.num_layers x cluster x model.num_experts", f"{run.steps} x {L} x {w:,} x {E}",
          "the routing trace", routing),
     ]
+    if backend != "sim":  # the simulator routes counts, never the tokens' hidden states
+        allocations.append(("workload.tokens_per_rank x model.hidden_size", f"{T} x {H}", "a rank's routed tokens",
+                            T * H * max(m.dtype_bytes, 4) * m.top_k))
     if backend == "sim":
         allocations.append(("cluster", gpus, "the simulator's rank-by-rank level matrix", w * w))
         phases = PHASES_PER_LAYER * L + 16
@@ -90,7 +91,8 @@ def estimate(scenario: Scenario, backend: str) -> dict:
         if not scenario.transformer.enabled:
             allocations.append(("model.num_experts x model.hidden_size x model.hidden_size", f"{E} x {H} x {H}",
                                 "the task's teacher matrices (fp32, on every rank)", 4 * E * H * H))
-        local = m.num_experts // scenario.parallelism.ep_size * L * m.expert_bytes
+        # an expert's slice under expert tensor parallelism
+        local = m.num_experts // scenario.parallelism.ep_size * L * m.expert_bytes // scenario.parallelism.etp_size
         per_rank = 3 * local + 6 * T * m.top_k * H * max(m.dtype_bytes, 4)  # weights, host pages, grads; activations
         memory = w * (per_rank + task_bytes(scenario)) + routing
         wall_s = None

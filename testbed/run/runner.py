@@ -84,7 +84,8 @@ def backend_expert_groups(scenario: Scenario) -> tuple[list[tuple[int, ...]], li
     stage = stage_scenario(s) if pp > 1 else s
     layout, per = Layout(stage), s.world_size // pp
     ep = [tuple(k * per + r for r in layout.ep_group(g)) for k in range(pp) for g in range(layout.replicas)]
-    edp = [tuple(k * per + r for r in layout.replica_group(j)) for k in range(pp) for j in range(layout.ep_size)]
+    slices = layout.expert_dp_groups() if layout.megatron_groups else [layout.replica_group(j) for j in range(layout.ep_size)]
+    edp = [tuple(k * per + r for r in g) for k in range(pp) for g in slices]
     return ep, edp
 
 

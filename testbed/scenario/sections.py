@@ -325,6 +325,10 @@ class OverlapConfig:
 
     micro_batches: int = doc("tokens split into this many micro-batches whose all-to-all overlaps the experts of another (1 = none)", 1, check=positive)
     sync_with_backward: bool = doc("expert and router gradient sync of a layer overlaps the backward of the layers below it", False)
+    moe_expert_parallel_comm: bool = doc("with pipeline stages, Megatron-Core's combined 1F1B "
+                                         "(--overlap-moe-expert-parallel-comm): in the steady state a micro-batch's "
+                                         "forward and another's backward run as one pair, each one's dispatch and "
+                                         "combine hidden behind the other's compute", False)
     shared_experts: bool = doc("model.shared_experts run beside the token exchange: their first GEMM and activation "
                                "beside the dispatch, their second beside the combine (backward the other way round), "
                                "as Megatron-Core's moe_shared_expert_overlap; false: after the combine, in order", True)

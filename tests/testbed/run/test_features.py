@@ -29,7 +29,7 @@ def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch
 
 #: issue 25's layout fields, each with a value that uses it; refused until a backend models it
 LAYOUT_VALUES = {
-    "parallelism": {"cp_size": 2, "etp_size": 2, "moe_layout": "nested", "attention_parallel": "ulysses"},
+    "parallelism": {"cp_size": 2, "attention_parallel": "ulysses"},
 }
 
 

@@ -34,16 +34,23 @@ def test_a_million_gpus_is_refused_before_any_work(tmp_path, capsys):
     assert check_size(s, "sim", force=True)["largest_allocation"] >= 1e12  # --force skips the refusal
 
 
-@pytest.mark.parametrize("field, value, named", [
-    ("model.hidden_size", 10**12, "model.hidden_size"),
-    ("model.ffn_hidden_size", 10**13, "model.ffn_hidden_size"),
-    ("workload.tokens_per_rank", 10**13, "workload.tokens_per_rank"),
-    ("run.steps", 10**12, "run.steps"),
+@pytest.mark.parametrize("field, value, named, backend", [
+    ("model.hidden_size", 10**12, "model.hidden_size", "sim"),
+    ("model.ffn_hidden_size", 10**13, "model.ffn_hidden_size", "sim"),
+    # the real ranks hold their tokens' hidden states; the simulator routes counts only
+    ("workload.tokens_per_rank", 10**13, "workload.tokens_per_rank", "real"),
+    ("run.steps", 10**12, "run.steps", "sim"),
 ])
-def test_a_value_that_would_overflow_an_allocation_is_one_line(field, value, named, tmp_path, capsys):
-    line = one_line_exit_2(["run", "--no-progress", "--set", f"{field}={value}",
+def test_a_value_that_would_overflow_an_allocation_is_one_line(field, value, named, backend, tmp_path, capsys):
+    line = one_line_exit_2(["run", "--no-progress", "--backend", backend, "--set", f"{field}={value}",
                             "--set", f"run.output_dir={tmp_path}"], capsys)
     assert named in line and "this machine can give" in line
+
+
+def test_the_simulator_is_not_charged_for_tokens_it_never_holds():
+    s = Scenario.from_dict({"workload": {"tokens_per_rank": 10**9}})
+    assert "routed tokens" not in str(estimate(s, "sim")["largest"])
+    assert estimate(s, "real")["largest"][2] == "a rank's routed tokens"
 
 
 def test_a_simulation_that_would_take_hours_is_refused():
