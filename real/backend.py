@@ -38,11 +38,13 @@ def check_runnable(scenario: Scenario) -> None:
                             f"--backend sim models the others")
     t = s.transformer
     if t.enabled:  # the real whole transformer: data x expert x tensor parallelism, Adam or SGD (real.rank.dense_model)
-        for name, value in (("parallelism.pp_chunks", s.parallelism.pp_chunks),
-                            ("transformer.micro_batches", t.micro_batches)):
-            if value > 1:
-                raise ScenarioError(name, value, "the real backend runs one micro-batch a step through its "
-                                    "pipeline stages, one model chunk each; --backend sim models more")
+        if s.parallelism.pp_chunks > 1:
+            raise ScenarioError("parallelism.pp_chunks", s.parallelism.pp_chunks, "the real backend runs one model "
+                                "chunk a pipeline stage (1F1B, not the interleaved schedule); --backend sim models more")
+        if t.micro_batches > 1 and s.parallelism.pp_size == 1:
+            raise ScenarioError("transformer.micro_batches", t.micro_batches, "the real backend runs micro-batches "
+                                "through pipeline stages (parallelism.pp_size > 1, 1F1B), not as gradient "
+                                "accumulation on one stage; --backend sim models it")
         if s.parallelism.pp_size > 1:  # real.comm.stage_link: stages of their own process groups
             for name, value, why in (
                     ("comm.expert_sync", s.comm.expert_sync if s.comm.expert_sync == "two_stage" else None,
@@ -182,7 +184,7 @@ class RealBackend:
         if payload is None:  # a torchrun rank other than 0: rank 0 reports the run
             return RunResult(scenario, [], extra={"device": device})
         routing = None
-        if payload["routing"] is not None:
+        if payload["routing"] is not None:  # pipeline stages: the one-stage run's trace (RankRunner._whole_model)
             routing = RoutingTrace(payload["routing"], scenario.workload.tokens_per_rank, scenario.model.top_k,
                                    fanout=payload.get("fanout"))
         extra = {"device": device, "group_create_s": payload["group_create_s"],

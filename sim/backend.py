@@ -42,6 +42,7 @@ from testbed.core.progress import Progress
 from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
 from testbed.policy.combined_1f1b import check_combined_1f1b
 from testbed.policy.controller import Controller
+from testbed.policy.distributed_optimizer import check_distributed_optimizer
 from testbed.policy.mtp_layers import controller_scenario
 from testbed.policy.page_moves import add_reason_counts, page_move_count
 from testbed.policy.pipeline_stages import PipelineStages, check_pipeline, pipelined
@@ -120,9 +121,10 @@ class ClusterSim:
     """The simulated cluster of one run: fabric, network, models, controller, clock.
     ``model_scenario``: the model's scenario; ``s``: the controller's, whose
     ``model.num_layers`` MoE layers it plans (with MTP modules theirs too,
-    ``testbed.policy.mtp_layers.controller_scenario``)."""
+    ``testbed.policy.mtp_layers.controller_scenario``); ``pipeline_stage``: it simulates one
+    micro-batch of a pipeline stage (``sim.pipeline.run``)."""
 
-    def __init__(self, scenario: Scenario, profile: MachineProfile):
+    def __init__(self, scenario: Scenario, profile: MachineProfile, pipeline_stage: bool = False):
         self.model_scenario = scenario
         s = self.s = controller_scenario(scenario)
         self.profile = profile
@@ -150,7 +152,8 @@ class ClusterSim:
                                     copy_time=copy_timer(self.fabric, s.world_size, self.copy_latency),
                                     scale_fitted=compute_scale_fitted(profile, s.world_size, shared),
                                     sm_count=profile.compute.sm_count,
-                                    op_seconds=op_timer(self.timer, s.world_size), model=scenario)
+                                    op_seconds=op_timer(self.timer, s.world_size), model=scenario,
+                                    pipeline_stage=pipeline_stage)
         self.faults = Faults(s, self.fabric)
         self.probe = ModelledProbe(s, self.controller, self.builder.compute, s.sim.expert_kernel)  # M20
         self.clock = 0.0
@@ -274,6 +277,7 @@ class SimBackend:
         pipeline's stages, layout and schedule (``testbed.policy.pipeline_stages``)."""
         check_pipeline(scenario)
         check_combined_1f1b(scenario)  # Megatron-Core's conditions, pipelined or not
+        check_distributed_optimizer(scenario)  # Megatron-LM's conditions of --overlap-param-gather
         check_model_support(scenario, load_profile(scenario.cluster.profile))
 
     def run(self, scenario: Scenario, *, progress: bool = False, on_step=None) -> RunResult:
@@ -291,7 +295,7 @@ class SimBackend:
         ahead = ThreadPoolExecutor(max_workers=1)
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
-            sim = ClusterSim(s, profile)
+            sim = ClusterSim(s, profile, pipeline_stage=stages is not None)
             pipe = PipelinedStep(whole, profile, stages, lambda st: stage_runner(st, profile)) if stages else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
@@ -356,7 +360,7 @@ class SimBackend:
 def stage_runner(scenario: Scenario, profile: MachineProfile):
     """``step -> SimulatedStage``: a pipeline stage other than the run's own (``sim.pipeline.run``),
     on a cluster sim and routing of its own, each step as ``SimBackend.run``'s loop makes one."""
-    sim = ClusterSim(scenario, profile)
+    sim = ClusterSim(scenario, profile, pipeline_stage=True)
     routed_at = routing_source(controller_scenario(scenario))
     times: list[float] = []
 

@@ -27,7 +27,10 @@ kind): the same on every rank and in every run, in ``model.dtype``. Biases are d
 std ``BIAS_STD`` (assumed: small, and not zero, so that a misplaced bias shows at the first
 step). Without tensor parallelism every rank holds all of them (data parallelism); with it
 (``parallelism.tp_size`` t, ``real.comm.tensor_parallel``) each rank of a group keeps its 1/t
-of the heads, FFN columns and vocabulary, so a run with t = 2 computes what t = 1 does.
+of the heads, FFN columns and vocabulary, so a run with t = 2 computes what t = 1 does. With
+context parallelism (``parallelism.cp_size``) a rank's rows are its chunks of its CP group's
+sequences and its attention cores run around the group's ring (``real.rank.context_parallel``);
+everything else is per token, as without.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from real.comm.tensor_parallel import (
     shard,
 )
 from real.rank.attention import Attention, attention_weights
+from real.rank.context_parallel import ContextParallelAttention
 from real.rank.layer import seed_of
 from real.rank.mtp import MTP_LAYER, mtp_weights, tokens_ahead
 from testbed.policy.whole_model import shape_of
@@ -124,7 +128,10 @@ class DenseModel:
     """The dense weights of one rank and their forward (module doc)."""
 
     def __init__(self, scenario: Scenario, dtype: torch.dtype, device: torch.device, tp: TensorGroup | None = None,
-                 place=None):
+                 place=None, ring=None):
+        """``tp``: this rank's tensor-parallel group (or None); ``place``: its pipeline stage
+        (or None); ``ring``: its context-parallel ring (``real.rank.context_parallel.context_ring``,
+        or None), around which its attention cores run."""
         s, t, m = scenario, scenario.transformer, scenario.model
         self.s, self.shape, self.tp = s, shape_of(s), tp
         # pipeline stages (testbed.policy.pipeline_stages): the embedding on the first, the head on the last,
@@ -134,8 +141,11 @@ class DenseModel:
         self.has_head = place is None or place.last_stage
         parts = tp.size if tp is not None else 1
         h = m.hidden_size
-        # this rank's heads (all, or its 1/t of the query and of the key/value heads)
-        self.attend = Attention(t, h, t.num_heads // parts, t.kv_heads // parts, t.seq_len)
+        # this rank's heads (all, or its 1/t of the query and of the key/value heads); under context
+        # parallelism their core around the ring
+        heads = (t.num_heads // parts, t.kv_heads // parts)
+        self.attend = (Attention(t, h, *heads, t.seq_len) if ring is None
+                       else ContextParallelAttention(t, h, *heads, t.seq_len, ring))
         self.seq_len = t.seq_len
         self.swiglu = m.ffn_activation == "swiglu"
         f = self.shape.dense_ffn

@@ -43,10 +43,13 @@ def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 
-def noise_generator(run_seed: int, step: int, layer: int, rank: int, device="cpu") -> torch.Generator:
-    """Generator of the router's Gumbel noise for one rank, step and layer, on the rank's
-    device (the noise is drawn there)."""
-    return torch.Generator(device=device).manual_seed(seed_of(run_seed, step, layer, rank, 0x6E0))
+def noise_generator(run_seed: int, step: int, layer: int, rank: int, device="cpu",
+                    micro_batch: int = 0) -> torch.Generator:
+    """Generator of the router's Gumbel noise for one rank, step, layer and micro-batch
+    (``transformer.micro_batches``: each draws its own), on the rank's device (the noise is
+    drawn there). Micro-batch 0's is the step's generator of a run without micro-batches."""
+    parts = (run_seed, step, layer, rank, 0x6E0) + ((micro_batch,) if micro_batch else ())
+    return torch.Generator(device=device).manual_seed(seed_of(*parts))
 
 
 def inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -63,21 +66,22 @@ class LayerRunner:
         #: deepep: layer -> this rank's fanout [P + A] of its last forward (the routing trace's)
         self.fanout: dict[int, np.ndarray] = {}
 
-    def forward(self, layer: int, x_TH: torch.Tensor, step: int):
-        """(h_TH = x + MoE(x), aux loss, the controller's LayerForward)."""
+    def forward(self, layer: int, x_TH: torch.Tensor, step: int, micro_batch: int = 0):
+        """(h_TH = x + MoE(x), aux loss, the controller's LayerForward) of micro-batch
+        ``micro_batch`` of the step (``transformer.micro_batches``; 0 without)."""
         r = self.r
         s, clock = r.scenario, r.clock
         top_k, tokens = s.model.top_k, x_TH.shape[0]
         clock.switch("route")
         w_EH, b_E = r.router[layer]
         routing = route(x_TH, w_EH, b_E, s.router, top_k, r.controller.capacity, step,
-                        noise_generator(s.run.seed, step, layer + r.layer_offset, r.rank, r.device),
+                        noise_generator(s.run.seed, step, layer + r.layer_offset, r.rank, r.device, micro_batch),
                         local_bias_E=r.local_bias_E, balance_bias_E=r.balance_bias(layer),
                         sequence_tokens=r.sequence_tokens)
         probs_TK = mark(routing.probs_TK, clock, "route_backward")
         routed = self._exchange_counts(layer, routing.routed_E)
         clock.switch("paging")
-        plan = r.controller.forward_layer(layer, routed, self._refresh_requests(layer, routed))
+        plan = r.controller.forward_layer(layer, routed, self._refresh_requests(layer, routed), micro_batch)
         if r.self_check and not np.array_equal(plan.kept[r.rank], routing.kept_E.cpu().numpy()):
             raise RuntimeError("router capacity and controller capacity disagree")  # a testbed bug
         r.refresh(plan.refresh_ops)
@@ -95,7 +99,7 @@ class LayerRunner:
         slot_idx = source_slots(routing.experts_TK, routing.keep_TK, int(plan.kept[r.rank].sum()))
         instances = [layer * s.model.num_experts + e for e in r.layout.local_experts(r.rank)]
         if s.overlap.micro_batches > 1:  # M22: checked to be the flat all-to-all (real.backend)
-            out_TH = self._pipelined(layer, x_TH, plan, slot_idx, probs_TK, tokens, instances)
+            out_TH = self._pipelined(layer, x_TH, plan, slot_idx, probs_TK, tokens, instances, micro_batch)
             return _residual(x_TH, out_TH, shared), routing.aux_loss, plan
         if s.comm.token_strategy == "allgather":
             expert_in, counts_e, combine = self._allgather(layer, x_TH, routing, probs_TK, tokens, plan)
@@ -109,7 +113,7 @@ class LayerRunner:
         y_RH = mark(y_RH, clock, "experts_backward")
         clock.switch("combine")
         # the backward of this layer starts here: bring its experts' pages back first
-        out_TH = mark(combine(y_RH), clock, "combine_backward", hook=lambda: r.backward_pages(layer))
+        out_TH = mark(combine(y_RH), clock, "combine_backward", hook=lambda: r.backward_pages(layer, micro_batch))
         return _residual(x_TH, out_TH, shared), routing.aux_loss, plan
 
     # ---- what the controller is told -------------------------------------------------------------
@@ -193,7 +197,7 @@ class LayerRunner:
 
         return expert_in, [int(c) for c in xp.expert_counts], combine
 
-    def _pipelined(self, layer, x_TH, plan, slot_idx, probs_TK, tokens, instances):
+    def _pipelined(self, layer, x_TH, plan, slot_idx, probs_TK, tokens, instances, micro_batch=0):
         """The flat exchange and the experts in ``overlap.micro_batches`` micro-batches
         (``real.comm.micro_batches``): the layer's MoE output [T, H]."""
         r = self.r
@@ -205,7 +209,7 @@ class LayerRunner:
                              s.overlap.micro_batches, dev)
         ex = Exchange(r.comm, r.clock, st.group, r.groups.get(st.group), r.codec, chunks,
                       lambda rows, counts: self._experts(rows, instances, counts),
-                      hook=lambda: r.backward_pages(layer), experts_done=lambda: r.experts_done(layer))
+                      hook=lambda: r.backward_pages(layer, micro_batch), experts_done=lambda: r.experts_done(layer))
         send_rows = torch.as_tensor(st.send_rows, dtype=torch.long, device=dev)
         buf = x_TH.index_select(0, slot_idx // probs_TK.shape[1]).index_select(0, send_rows)
         back = PipelinedExchange.apply(buf, ex)

@@ -29,6 +29,7 @@ from real.kernels.ffn_activation import input_width
 from real.kernels.stacked_weights import StackedWeights, grouped_members, strided_rows
 from real.paging.paged_store import PagedExpertStore
 from real.rank.clock import StageClock
+from real.rank.context_parallel import context_ring
 from real.rank.dense_model import DenseModel, TensorGroup
 from real.rank.layer import seed_of
 from real.rank.shared_experts import SharedExperts
@@ -124,8 +125,8 @@ class RankState:
         self.shared = (SharedExperts(s, m.num_layers, self.dtype, self.device, self.layer_offset)
                        if m.shared_experts else None)
         # the whole transformer's dense weights (issue 13) and the optimizer's state
-        self.dense = (DenseModel(self.model or s, self.dtype, self.device, self._tensor_group(), place)
-                      if s.transformer.enabled else None)
+        self.dense = (DenseModel(self.model or s, self.dtype, self.device, self._tensor_group(), place,
+                                 ring=context_ring(s, self.rank, self.comm)) if s.transformer.enabled else None)
         self.adam = MixedAdam(s) if s.transformer.enabled and s.transformer.optimizer == "adam" else None
         for layer in range(m.num_layers):
             for p in self.layer_params(layer):  # a bucket's all-reduce goes once its gradients are in
@@ -360,20 +361,21 @@ class RankState:
         if self.store is not None:
             self.stall_s += self.store.settle()
 
-    def plan_backward_pages(self) -> None:
-        """Decide every layer's backward page loads now, last layer first as the backward
-        will need them (stage paging): the controller then decides the sync after them, in
-        the order the simulator's controller does, even when the sync is planned during
-        the backward (M22)."""
+    def plan_backward_pages(self, micro_batch: int = 0) -> None:
+        """Decide every layer's backward page loads now (of the step's micro-batch
+        ``micro_batch``, its last), last layer first as the backward will need them (stage
+        paging): the controller then decides the sync after them, in the order the
+        simulator's controller does, even when the sync is planned during the backward (M22)."""
         with self.clock.region("paging"):
-            self.backward_plans = {layer: self.controller.backward_layer(layer)
+            self.backward_plans = {layer: self.controller.backward_layer(layer, micro_batch)
                                    for layer in reversed(range(self.scenario.model.num_layers))}
 
-    def backward_pages(self, layer: int) -> None:
-        """Start of a layer's backward: reload the pages of its experts (stage paging)."""
+    def backward_pages(self, layer: int, micro_batch: int = 0) -> None:
+        """Start of a layer's backward (of micro-batch ``micro_batch``): reload the pages of
+        its experts (stage paging)."""
         with self.clock.region("paging"):
             plans = self.backward_plans
-            plan = plans.pop(layer) if plans else self.controller.backward_layer(layer)
+            plan = plans.pop(layer) if plans else self.controller.backward_layer(layer, micro_batch)
             self.execute_moves(plan.page_moves.get(self.rank), forward=True)
 
     def refresh(self, ops) -> None:

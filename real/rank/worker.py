@@ -6,7 +6,18 @@ block of attention and dense layers (``real.rank.dense_model``: stage ``dense``,
 output head and its cross entropy, which replace the MoE stack's MSE loss; the optimizer
 is then Adam (``real.kernels.adam``) unless ``transformer.optimizer = sgd``. With pipeline stages
 (``parallelism.pp_size``) the rank runs its stage's scenario and its activations and
-their gradients pass between the stages (``real.comm.stage_link``).
+their gradients pass between the stages (``real.comm.stage_link``), micro-batch by
+micro-batch (``transformer.micro_batches`` m): the step's tokens split into m runs of
+whole sequences, each stage runs their forwards and backwards in Megatron-LM's
+non-interleaved 1F1B order (``testbed.policy.pipeline_order``: p - s - 1 warm-up
+forwards on stage s, then one forward and one backward, then the backwards left), the
+gradients of the m backwards add up (each micro-batch's mean loss over the ranks and m,
+so that they sum to the gradient of the step's mean), and the gradient sync, the
+optimizer, the heat update and the page moves run once, after the last backward (with
+``overlap.sync_with_backward``, the sync is issued from the last micro-batch's backward,
+as Megatron-LM overlaps it). The controller decides each micro-batch's layers and sees
+the step's routing as the micro-batches' combined (``testbed.policy.controller``): the
+expert sync, the heat and the routing trace hold their counts summed.
 
 Per step: every layer forward (``LayerRunner``), the loss (MSE to the task's targets
 plus the aux loss) and its backward, the active-group discovery (M10: an all-gather of
@@ -40,6 +51,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +71,7 @@ from real.rank.probe import probe_answers
 from real.rank.rank_state import RankState
 from testbed.core.errors import RunError, ScenarioError
 from testbed.policy.mtp_layers import controller_scenario, mtp_modules
+from testbed.policy.pipeline_order import schedule_order
 from testbed.policy.pipeline_stages import stage_place, stage_scenario
 from testbed.scenario.profile import load_profile
 from testbed.scenario.scenario import Scenario
@@ -71,8 +84,15 @@ class RankRunner:
         # pipeline parallelism (testbed.policy.pipeline_stages): this rank runs its stage's scenario
         self.place = stage_place(scenario, rank) if scenario.parallelism.pp_size > 1 else None
         self.global_rank = rank  # the process group's; pipeline stages number their own ranks from 0
+        #: the step's micro-batches (transformer.micro_batches, pipeline stages only: real.backend) and this
+        #: rank's order of their forwards and backwards, Megatron's 1F1B (F0 B0 with one)
+        self.micro_batches, self.order = 1, [("F", 0), ("B", 0)]
+        step_tokens = scenario.workload.tokens_per_rank  # each rank's tokens a step, every micro-batch's
         if self.place is not None:
-            scenario, rank = stage_scenario(scenario), self.place.local_rank
+            self.micro_batches = scenario.transformer.micro_batches
+            self.order = [(kind, i) for kind, _, i in schedule_order(self.place.stages, self.micro_batches, 1,
+                                                                     self.place.stage)]
+            scenario, rank = stage_scenario(scenario), self.place.local_rank  # one micro-batch's tokens
         model = scenario
         #: the model's MoE layers, then one per MTP module (real.rank.mtp): ``s`` is the controller's scenario
         self.main_layers, self.mtp = model.model.num_layers, mtp_modules(model)
@@ -81,8 +101,10 @@ class RankRunner:
         self.st = RankState(scenario, rank, device, place=self.place, model=model if self.mtp else None)
         self.pipe = StageLink(self.place, self.st) if self.place is not None else None
         self.layers = LayerRunner(self.st)
-        # pipeline stages: each rank of a stage is one data-parallel stream of the whole model's
-        data = model if self.place is None else model.replace(model={"num_layers": self.place.layers})
+        # pipeline stages: each rank of a stage is one data-parallel stream of the whole model's, a step's
+        # tokens split into the micro-batches (``step``)
+        data = model if self.place is None else model.replace(model={"num_layers": self.place.layers},
+                                                              workload={"tokens_per_rank": step_tokens})
         self.task = TokenTask(data) if scenario.transformer.enabled else SyntheticTask(data)
         self.world = scenario.world_size
         self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
@@ -149,73 +171,51 @@ class RankRunner:
         # ranks would wait for it inside the next step's stages
         control.gate(step)
         t_start = st.clock.now()
-        dense = st.dense  # the whole transformer's (issue 13): embedding, blocks, head
         pipe = self.pipe  # pipeline stages: the activations come from the stage before
         if pipe is not None:
             pipe.sent_bytes = 0
-        if pipe is not None and not pipe.first:
-            h = pipe.receive_activations(x_TH.shape[0], s.model.hidden_size)
-        elif dense is not None:
-            st.clock.switch("dense")
-            h = dense.embed(x_TH, y_TH)
-        else:
-            # the first MoE layer's input stands for the output of earlier layers: it needs a
-            # gradient, so the first layer's dispatch backward runs like every other's
-            h = x_TH.to(st.dtype).requires_grad_()
-        aux_total = torch.zeros((), device=st.device)
-        routed, kept = [], []  # this rank's counts per layer
         # the heat all-reduce and the M20 probe, for heat updates at this step's end or,
         # deferred (M18), at its first layer
         st.controller.set_heat_io(self._in_heat_stage(self._sum_heat),
                                   self._in_heat_stage(lambda instances: probe_answers(st, st.controller.step, instances)))
-        first = None  # layer 0's plan: a deferred heat update (M18) is applied there
-        mtp_out = []  # each MTP module's output (real.rank.mtp): MoE layers main_layers + d
-        h_main, mtp_total = None, 0.0  # the main model's output; the MTP modules' mean cross entropy
-        with ActivationMeter(exclude=st.dense_params()) as meter:
-            for layer in range(s.model.num_layers):
-                if layer >= self.main_layers:  # MTP module d: the hidden state and the embedding of a token ahead
-                    st.clock.switch("dense")
-                    h_main = h if layer == self.main_layers else h_main
-                    h = mark(dense.mtp_block(layer - self.main_layers, h, x_TH), st.clock, "dense_backward")
-                elif dense is not None:  # the layer's attention and the dense layers before it
-                    st.clock.switch("dense")
-                    h = mark(dense.block(layer, h), st.clock, "dense_backward")
-                h, aux, plan = self.layers.forward(layer, h, step)
-                if layer >= self.main_layers:
-                    mtp_out.append(h)
-                first = plan if layer == 0 else first
-                aux_total = aux_total + aux
-                routed.append(plan.routed[st.rank])
-                kept.append(plan.kept[st.rank])
-        routed, kept = np.stack(routed), np.stack(kept)  # [L, E]
-        h = h_main if self.mtp else h
+        # the micro-batches: consecutive whole sequences of the step's tokens (testbed.scenario checks the split)
+        m = self.micro_batches
+        xs, ys = x_TH.chunk(m), y_TH.chunk(m)
+        micro: list[_MicroBatch | None] = [None] * m
+        held = peak_held = 0  # bytes autograd saved for the backwards not yet run: 1F1B's in-flight activations
+        during = s.overlap.sync_with_backward  # M22: issued from the (last micro-batch's) backward as gradients complete
+        sync = None
+        for kind, i in self.order:
+            if self.capture is not None and step == 0:  # tests: the order the rank ran its micro-batches in
+                self.capture.setdefault("order", []).append(f"{kind}{i}")
+            if kind == "F":
+                micro[i] = mb = self._forward(step, i, xs[i], ys[i])
+                held += mb.activation_bytes
+                peak_held = max(peak_held, held)
+                if i == m - 1:  # the expert weights on the device once every forward ran
+                    resident = (st.store.device_bytes if st.store
+                                else sum(t.numel() * t.element_size() for t in st.unpaged.values()))
+                continue
+            mb = micro[i]
+            if during and i == m - 1:  # every forward has run: the step's routing is known
+                sync = GradientSync(self, sum(x.kept for x in micro), during_backward=True)
+            st.clock.switch(mb.first_backward)
+            self._backward(mb, i)
+            held -= mb.activation_bytes
+            micro[i] = mb.done()
+        if pipe is not None:
+            pipe.finish()
+        routed, kept = sum(mb.routed for mb in micro), sum(mb.kept for mb in micro)  # [L, E]: the step's, combined
+        first = micro[0].first  # layer 0's plan of the first micro-batch: a deferred heat update (M18) is applied there
+        aux_total = sum(float(mb.aux) for mb in micro) / m
+        losses = [float(mb.task_loss) for mb in micro if mb.task_loss is not None]
+        mtp = [mb.mtp_loss for mb in micro if mb.mtp_loss is not None]
         if self.capture is not None:
-            self.capture.setdefault("outputs", []).append(h.detach().clone())
+            out = torch.cat([mb.output for mb in micro])  # the step's [T, H]: the micro-batches' in order
+            self.capture.setdefault("outputs", []).append(out)
+            self.capture.setdefault("micro_routed", []).append(np.stack([mb.routed for mb in micro]))  # [m, L, E]
             if step == 0:
-                self.capture["output"] = h.detach().clone()
-        resident = st.store.device_bytes if st.store else sum(t.numel() * t.element_size() for t in st.unpaged.values())
-        if pipe is not None and not pipe.last:  # on to the next stage; its gradient comes back
-            pipe.send_activations(h)
-            objective = task_loss = None
-            first_backward = "combine_backward"
-        elif dense is not None:  # the output head and the loss; their backward comes first
-            st.clock.switch("dense")
-            with meter:
-                objective, task_loss = dense.loss(h, y_TH)
-                for d, h_d in enumerate(mtp_out):  # lambda / D sum_k L_MTP^k (DeepSeek-V3 eq. 25)
-                    mtp_loss = dense.mtp_loss(d, h_d, y_TH)
-                    objective = objective + MTP_LOSS_WEIGHT / self.mtp * mtp_loss
-                    mtp_total += float(mtp_loss.detach()) / self.mtp
-            first_backward = "dense_backward"
-        else:
-            first_backward = "combine_backward"
-            st.clock.switch(first_backward)
-            task_loss = objective = torch.mean((h.float() - y_TH) ** 2)
-        loss = aux_total if objective is None else objective + aux_total
-        during = s.overlap.sync_with_backward  # M22: issued from the backward as gradients complete
-        sync = GradientSync(self, kept, during_backward=True) if during else None
-        st.clock.switch(first_backward)
-        self._backward(loss, h)
+                self.capture["output"] = out
         if during:
             self.sync_plan = sync.finish()
         else:
@@ -244,15 +244,15 @@ class RankRunner:
         self._check_weights()
         st.clock.switch(None)
         step_time = st.clock.now() - t_start
-        memory = memory_breakdown(st, resident, meter.peak_bytes, held_grads, self.communicator_bytes)
+        memory = memory_breakdown(st, resident, peak_held, held_grads, self.communicator_bytes)
         grad_bytes = memory["gradients"]
         # CUDA: the caching allocator's peak, which leaves out what NCCL allocates itself
         # (its communicators' buffers and channels, cudaMalloc'd outside torch), while the
         # simulator's peak counts comm buffers and communicators (CUDA_PEAK_LEAVES_OUT)
         peak = (torch.cuda.max_memory_allocated(st.device) if st.device.type == "cuda"
-                else resident + meter.peak_bytes + grad_bytes + (memory["parameters"] + memory["optimizer_state"]
-                                                                 if st.dense is not None else 0))
-        st.last_other_bytes = float(meter.peak_bytes + grad_bytes)
+                else resident + peak_held + grad_bytes + (memory["parameters"] + memory["optimizer_state"]
+                                                          if st.dense is not None else 0))
+        st.last_other_bytes = float(peak_held + grad_bytes)
         totals, regions = st.clock.take()
         heat = end.heat if end.heat is not None else (first.heat if first is not None else None)
         frozen = end.frozen if end.frozen is not None else (first.frozen if first is not None else None)
@@ -263,35 +263,100 @@ class RankRunner:
             "frozen": None if frozen is None else frozen.get(st.rank, 0),
             "local_experts": len(st.controller.local_instances(st.rank)),
             "page_bytes": int(st.ledger.by_level[3]), "stall_s": st.stall_s,
-            "loss": None if task_loss is None else float(task_loss.detach()), "aux": float(aux_total.detach()),
+            # the step's mean over its tokens: the micro-batches' means averaged (they hold as many tokens each)
+            "loss": sum(losses) / m if losses else None, "aux": aux_total,
             "routed": int(routed.sum()), "dropped": int(routed.sum() - kept.sum()),
             "discovery_s": self.discovery_s, "memory": memory,
             "pipeline_sent_bytes": self.pipe.sent_bytes if self.pipe is not None else 0,
-            "mtp_loss": mtp_total if mtp_out else None,  # the mean of the MTP modules' cross entropies
+            "mtp_loss": sum(mtp) / m if mtp else None,  # the mean of the MTP modules' cross entropies
         }
         for name, t0, t1 in regions:
             self.trace.append({"name": name, "ph": "X", "pid": self.global_rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         self.routing.append(routed)
-        if self.layers.fanout:  # deepep: what each layer's dispatch shared, for the routing trace
-            self.fanouts.append(np.stack([self.layers.fanout[layer] for layer in range(s.model.num_layers)]))
+        if micro[0].fanout is not None:  # deepep: what each layer's dispatches shared, for the routing trace
+            self.fanouts.append(sum(mb.fanout for mb in micro))
         states = heat.state_counts() if heat is not None else None
         control.publish(step, local, lead_fields(cache, states))
 
-    def _backward(self, loss: torch.Tensor, out: torch.Tensor) -> None:
-        """The step's backward from ``loss`` (over the ranks that share the step's tokens).
-        Pipeline stages: a stage before the last also starts from its output's gradient,
-        received from the next stage, and a stage after the first sends its input's
-        gradient back."""
-        pipe, scaled = self.pipe, loss / self.world
+    def _forward(self, step: int, i: int, x_TH: torch.Tensor, y_TH: torch.Tensor) -> _MicroBatch:
+        """Micro-batch ``i``'s forward through this rank's layers: from the stage before (or the
+        embedding, or the MoE stack's input), every layer (``LayerRunner``), then on to the
+        next stage, or the output head and the loss."""
+        s, st = self.s, self.st
+        dense = st.dense  # the whole transformer's (issue 13): embedding, blocks, head
+        pipe = self.pipe
+        if pipe is not None and not pipe.first:
+            h = pipe.receive_activations(x_TH.shape[0], s.model.hidden_size, i)
+        elif dense is not None:
+            st.clock.switch("dense")
+            h = dense.embed(x_TH, y_TH)
+        else:
+            # the first MoE layer's input stands for the output of earlier layers: it needs a
+            # gradient, so the first layer's dispatch backward runs like every other's
+            h = x_TH.to(st.dtype).requires_grad_()
+        aux_total = torch.zeros((), device=st.device)
+        routed, kept = [], []  # this rank's counts per layer
+        first = None  # layer 0's plan
+        mtp_out = []  # each MTP module's output (real.rank.mtp): MoE layers main_layers + d
+        h_main, mtp_total = None, 0.0  # the main model's output; the MTP modules' mean cross entropy
+        with ActivationMeter(exclude=st.dense_params()) as meter:
+            for layer in range(s.model.num_layers):
+                if layer >= self.main_layers:  # MTP module d: the hidden state and the embedding of a token ahead
+                    st.clock.switch("dense")
+                    h_main = h if layer == self.main_layers else h_main
+                    h = mark(dense.mtp_block(layer - self.main_layers, h, x_TH), st.clock, "dense_backward")
+                elif dense is not None:  # the layer's attention and the dense layers before it
+                    st.clock.switch("dense")
+                    h = mark(dense.block(layer, h), st.clock, "dense_backward")
+                h, aux, plan = self.layers.forward(layer, h, step, i)
+                if layer >= self.main_layers:
+                    mtp_out.append(h)
+                first = plan if layer == 0 else first
+                aux_total = aux_total + aux
+                routed.append(plan.routed[st.rank])
+                kept.append(plan.kept[st.rank])
+        fanout = (np.stack([self.layers.fanout[layer] for layer in range(s.model.num_layers)])
+                  if self.layers.fanout else None)
+        h = h_main if self.mtp else h
+        if pipe is not None and not pipe.last:  # on to the next stage; its gradient comes back
+            pipe.send_activations(h, i)
+            objective = task_loss = None
+            first_backward = "combine_backward"
+        elif dense is not None:  # the output head and the loss; their backward comes first
+            st.clock.switch("dense")
+            with meter:
+                objective, task_loss = dense.loss(h, y_TH)
+                for d, h_d in enumerate(mtp_out):  # lambda / D sum_k L_MTP^k (DeepSeek-V3 eq. 25)
+                    mtp_loss = dense.mtp_loss(d, h_d, y_TH)
+                    objective = objective + MTP_LOSS_WEIGHT / self.mtp * mtp_loss
+                    mtp_total += float(mtp_loss.detach()) / self.mtp
+            first_backward = "dense_backward"
+        else:
+            first_backward = "combine_backward"
+            st.clock.switch(first_backward)
+            task_loss = objective = torch.mean((h.float() - y_TH) ** 2)
+        loss = aux_total if objective is None else objective + aux_total
+        return _MicroBatch(h, loss, None if task_loss is None else task_loss.detach(),
+                           aux_total.detach(), np.stack(routed), np.stack(kept), first,
+                           mtp_total if mtp_out else None, meter.peak_bytes, first_backward, fanout,
+                           h.detach().clone() if self.capture is not None else None)
+
+    def _backward(self, mb: _MicroBatch, i: int) -> None:
+        """Micro-batch ``i``'s backward from its loss (over the ranks that share the step's
+        tokens, and its micro-batches: their gradients add up to the gradient of the step's
+        mean loss, each micro-batch's mean over as many tokens). Pipeline stages: a stage
+        before the last also starts from its output's gradient, received from the next
+        stage, and a stage after the first sends its input's gradient back."""
+        pipe, scaled = self.pipe, mb.loss / (self.world * self.micro_batches)
         if pipe is not None and not pipe.last:
-            grad = pipe.receive_gradient(out)
+            grad = pipe.receive_gradient(mb.out, i)
             self.st.clock.switch("combine_backward")
-            torch.autograd.backward([out, scaled], [grad, None])
+            torch.autograd.backward([mb.out, scaled], [grad, None])
         else:
             scaled.backward()
         if pipe is not None and not pipe.first:
-            pipe.send_gradient()
+            pipe.send_gradient(i)
 
     def _in_heat_stage(self, fn):
         """``fn`` timed as the heat stage, whichever stage the step is in when it runs (a
@@ -448,13 +513,51 @@ class RankRunner:
         if not lead:
             return {}
         trace = [e for per_rank in events for e in per_rank]
-        # [S, L, W, E] from every rank's [L, E] per step (pipeline stages: none, each holds its own layers)
-        steps = len(self.routing) if self.place is None else 0
-        return {"trace": trace, "routing": np.stack([np.stack(r) for r in routing], axis=2) if steps else None,
-                "fanout": np.stack([np.stack(f) for f in fanouts], axis=2) if steps and fanouts[0] else None,
+        steps = len(self.routing)
+        return {"trace": trace, "routing": self._whole_model(routing) if steps else None,
+                "fanout": self._whole_model(fanouts) if steps and fanouts[0] else None,
                 "group_create_s": self.st.groups.created_s, "group_create_bytes": self.st.groups.created_bytes,
                 "first_step": self.first_step,
                 "captured": captured if self.capture is not None else None}
+
+    def _whole_model(self, per_rank: list[list[np.ndarray]]) -> np.ndarray:
+        """[S, L, W, ...] from every global rank's [L, ...] per step. Pipeline stages: each
+        stage's ranks hold its layers, so the whole model's layers come stage after stage
+        and W is a stage's ranks (its data-parallel streams): the trace of the one-stage run
+        of the same tokens, its counts the step's micro-batches' summed."""
+        if self.place is None:
+            return np.stack([np.stack(r) for r in per_rank], axis=2)
+        n = self.place.ranks
+        stages = [np.stack([np.stack(r) for r in per_rank[k * n:(k + 1) * n]], axis=2)
+                  for k in range(self.place.stages)]
+        return np.concatenate(stages, axis=1)
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's forward, kept for its backward and the step's record: its output
+    ``out`` and ``loss`` (what the backward starts from), the task loss and the aux loss,
+    this rank's routed and kept counts [L, E], layer 0's plan, the MTP modules' mean cross
+    entropy, the bytes autograd saved for its backward, the stage its backward starts in,
+    deepep's fanout [L, P + A], and (tests) a copy of the output."""
+
+    out: torch.Tensor | None
+    loss: torch.Tensor | None
+    task_loss: torch.Tensor | None  # detached: read once the step is done (on CUDA reading waits for the device)
+    aux: torch.Tensor
+    routed: np.ndarray
+    kept: np.ndarray
+    first: object
+    mtp_loss: float | None
+    activation_bytes: int
+    first_backward: str
+    fanout: np.ndarray | None
+    output: torch.Tensor | None = None
+
+    def done(self) -> _MicroBatch:
+        """Its backward has run: the tensors go (autograd freed what they held)."""
+        self.out = self.loss = None
+        return self
 
 
 class _Profiler:

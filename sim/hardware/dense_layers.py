@@ -59,6 +59,18 @@ sequences: 10 s b H whole, 24 s b H / t). The collectives are
 ``testbed.policy.tensor_parallel_ops``'s, chained after the block's compute (not overlapped).
 The dense gradients are summed over the GPUs with the same tensor-parallel index
 (``Planner.dense_sync_ops``). Pipeline parallelism is ``sim.pipeline.run``'s.
+
+Context parallelism (``parallelism.cp_size`` CP, ``testbed.policy.context_parallel``): a GPU
+holds seq_len / CP rows of each of its CP group's sequences (chunks r and 2 CP - 1 - r), so
+its ``tokens_per_rank`` are its own and everything but attention's core is per token on
+them, as without. Attention's core under the load-balanced causal split computes the same
+pairs on every GPU, 1/CP of the sequence's: the FLOPs above on the GPU's own tokens, which
+its ring runs in CP equal steps (``ring_core_s``), each a kernel on its seq_len / CP
+queries (the ``attention`` curve's efficiency at seq_len / CP). The ring's sends are the
+planner's (``ContextParallelOps``) and its steps the phase builder's
+(``sim.step.context_parallel_ring``: each step's core beside the send of the next block).
+The activations are those of the GPU's own tokens (Korthikanti's terms on CP-rank
+sequences of seq_len / CP rows).
 """
 
 from __future__ import annotations
@@ -115,10 +127,16 @@ class DenseLayers:
         self.tokens, self.recompute = tokens, t.recompute == "full"
         #: Megatron-Core's recompute modules (transformer.recompute_modules), in order
         self.modules = recompute_modules_of(s)
-        # Korthikanti's eq. 4 / 5 on the tensor-parallel group's sequences (each GPU's own tokens x tp)
-        self._act_args = {"seq_len": t.seq_len, "micro_batch": p.tp_size * tokens // t.seq_len, "tp": p.tp_size,
+        #: context parallelism (parallelism.cp_size): the GPUs of a CP group hold seq_len / cp rows of each
+        #: sequence, and attention's core runs as their ring's cp steps (module doc)
+        self.cp, self.local_seq = p.cp_size, t.seq_len // p.cp_size
+        # Korthikanti's eq. 4 / 5 on the tensor-parallel group's sequences (each GPU's own tokens x tp; under CP
+        # the CP rank's shares of them, seq_len / cp rows each: flash attention keeps nothing of s x s)
+        self._act_args = {"seq_len": self.local_seq, "micro_batch": p.tp_size * tokens // self.local_seq,
+                          "tp": p.tp_size,
                           "sequence_parallel": p.sequence_parallel, "recompute": self.recompute, "flash": True,
                           "recompute_modules": self.modules, "dtype_bytes": m.dtype_bytes}
+        self._core = {}  # sliding -> forward seconds of one layer's attention core (_attention_parts)
         self._attention = {w: self._attention_parts(w) for w in (False, True)}
         ffn_linears = shape.ffn_linears(shape.dense_ffn)
         self._ffn = (compute.gemm_time(2.0 * tokens * shape.dense_ffn_matrix_params, tokens, "dense", fp8=True),
@@ -177,9 +195,21 @@ class DenseLayers:
         else:
             window = shape.sliding_window if sliding else 0
             core_flops = attention_core_flops(tokens, t.seq_len, shape.heads * shape.head_dim, window=window)
-        core = c.gemm_time(core_flops, t.seq_len, kernel="attention")
+        # under CP each of the ring's steps runs a kernel on the GPU's seq_len / cp queries of a sequence
+        core = self._core[sliding] = c.gemm_time(core_flops, self.local_seq, kernel="attention")
         linears = shape.attention_linears
         return gemms + core, c.linears_cast_seconds(tokens, linears), c.linears_cast_seconds(tokens, linears, True)
+
+    def ring_core_s(self, layer: int, backward: bool) -> list[float]:
+        """Context parallelism: seconds of the attention core of each attention sublayer of
+        MoE layer ``layer``'s block (forward; backward twice that, as every GEMM's), which
+        its ring runs in ``parallelism.cp_size`` equal steps (``testbed.policy.context_parallel``:
+        every step the same pairs); included in ``forward_s`` / ``backward_s``. An empty list
+        without context parallelism."""
+        if self.cp == 1:
+            return []
+        layers = self.block_layers(layer)
+        return [(2.0 if backward else 1.0) * self._core[self.shape.is_sliding_layer(i)] for i in layers]
 
     def layer_activation(self, moe: bool) -> float:
         """Activation bytes one layer keeps (model dtype), an MoE layer's or a dense-FFN one's,

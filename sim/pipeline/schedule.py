@@ -37,9 +37,10 @@ stage's compute with itself (one op at a time), optimizer step, gradient all-red
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
+
+from testbed.policy.pipeline_order import Op, OverlappedPair, schedule_order
 
 F, B = 0, 1  # kind index into start / end
 
@@ -65,19 +66,6 @@ class PipelineSchedule:
     pairs: np.ndarray
 
 
-class OverlappedPair(NamedTuple):
-    """One steady-state op of combined 1F1B: the forward of (``forward_chunk``, ``forward_micro_batch``) and the
-    backward of (``backward_chunk``, ``backward_micro_batch``) run as one, layer by layer (module doc)."""
-
-    forward_chunk: int
-    forward_micro_batch: int
-    backward_chunk: int
-    backward_micro_batch: int
-
-
-Op = tuple[str, int, int] | OverlappedPair  # an op of a stage's order: ("F" | "B", chunk, micro_batch) or a pair
-
-
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -92,42 +80,6 @@ def _seconds(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
     if not np.all(np.isfinite(arr)) or np.any(arr < 0):
         raise ValueError(f"{name} must hold finite non-negative seconds, got {arr.tolist()}")
     return arr
-
-
-def _warmup(p: int, m: int, v: int, s: int, overlap: bool = False) -> int:
-    """Forwards stage s runs before its first backward (Megatron-LM's ``num_warmup_microbatches``); ``overlap``:
-    combined 1F1B's, one more (module doc), after today's ``get_pp_rank_microbatches``, which has no all-warm-up
-    case for m == p any longer (dropped in Megatron-LM 4295be1a6c, before combined 1F1B was written)."""
-    extra = 1 if overlap else 0
-    if v == 1:
-        return min(p - s - 1 + extra, m)
-    if m == p and not overlap:  # Megatron: as many micro-batches as stages, the whole step is warm-up ("all_warmup")
-        return m * v
-    return min((p - s - 1) * 2 + (v - 1) * p + extra, m * v)
-
-
-def _op(kind: str, k: int, p: int, v: int) -> tuple[str, int, int]:
-    """The k-th forward / backward op of a stage: micro-batches go in groups of p, chunk by chunk."""
-    chunk = (k // p) % v
-    micro = (k // (p * v)) * p + k % p
-    return kind, (chunk if kind == "F" else v - 1 - chunk), micro
-
-
-def schedule_order(p: int, m: int, v: int, s: int, overlap: bool = False) -> list[Op]:
-    """Stage s's op order as ("F"|"B", chunk, micro_batch): warm-up forwards, 1F1B, remaining backwards; with
-    ``overlap`` (combined 1F1B, module doc) one warm-up forward more and each steady-state forward and backward
-    one ``OverlappedPair``."""
-    p, m, v = _positive_int("p", p), _positive_int("m", m), _positive_int("v", v)
-    if not 0 <= s < p:
-        raise ValueError(f"s must be in [0, {p}), got {s!r}")
-    if v > 1 and m % p:
-        raise ValueError(f"interleaving (v={v}) needs micro_batches % stages == 0, got m={m}, p={p}")
-    total, warm = m * v, _warmup(p, m, v, s, overlap)
-    order: list[Op] = [_op("F", k, p, v) for k in range(warm)]
-    for k in range(total - warm):  # steady state: one forward, then one backward
-        fwd, bwd = _op("F", warm + k, p, v), _op("B", k, p, v)
-        order += [OverlappedPair(fwd[1], fwd[2], bwd[1], bwd[2])] if overlap else [fwd, bwd]
-    return order + [_op("B", k, p, v) for k in range(total - warm, total)]
 
 
 def _max_in_flight(order: list[Op]) -> int:

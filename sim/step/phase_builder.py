@@ -14,6 +14,11 @@ then:                active-group discovery (M10), communicator creation, expert
                      dense_sync (one all-reduce per gradient bucket), optimizer, heat,
                      paging
 
+With the distributed optimizer (ZeRO >= 1 with adam, ``testbed.policy.distributed_optimizer``)
+the sync's all-reduces are reduce-scatters and the updated parameters' all-gathers follow the
+optimizer, or with ``transformer.overlap_param_gather`` run beside the forward
+(``sim.step.param_gather``); ``transformer.overlap_grad_reduce`` is ``overlap.sync_with_backward``.
+
 The layers are the MoE layers the controller plans (``testbed.policy.mtp_layers``): the
 model's L and, with MTP modules (``transformer.mtp_layers`` D), module d's as layer
 L + d, its block its projection and attention (``sim.hardware.dense_layers``); the
@@ -81,11 +86,14 @@ import numpy as np
 from sim.hardware.compute import ComputeModel
 from sim.hardware.dense_layers import DenseLayers, kernel_seconds
 from sim.hardware.shared_experts import SharedExperts
+from sim.step.context_parallel_ring import chain_block
+from sim.step.param_gather import ParamGathers
 from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy, split_op
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
 from testbed.policy.collectives import CollectiveOp
+from testbed.policy.distributed_optimizer import split_param_gathers
 from testbed.policy.expert_tensor_parallel import expert_slice_shape, expert_zero_shards
 from testbed.policy.fp8_casts import linears_copy_bytes
 from testbed.policy.page_moves import GPU, HOST
@@ -125,7 +133,7 @@ class PhaseBuilder:
                  copy_time: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
                  scale_fitted: bool = False, sm_count: int = 0,
                  op_seconds: Callable[[list[CollectiveOp]], np.ndarray] | None = None,
-                 model: Scenario | None = None):
+                 model: Scenario | None = None, pipeline_stage: bool = False):
         """``scenario``: the controller's (its MoE layers, ``testbed.policy.mtp_layers``);
         ``model``: the model's, when that is not ``scenario`` (MTP modules; the dense work's
         figures are the model's, ``sim.hardware.dense_layers``); ``copy_overlap``: the
@@ -136,8 +144,11 @@ class PhaseBuilder:
         this world (``sim.hardware.software_latency.compute_scale_fitted``), so every compute
         second is; ``sm_count``: the profile's ``compute.sm_count`` (deepep, module doc);
         ``op_seconds(ops)``: [W] seconds of a batch of concurrent ops on each member, each
-        op alone on the fabric (needed for deepep's SMs with micro-batches)."""
+        op alone on the fabric (needed for deepep's SMs with micro-batches); ``pipeline_stage``:
+        the step is one micro-batch of a pipeline stage's (``sim.pipeline.run``; the updated
+        parameters' all-gathers, ``sim.step.param_gather``)."""
         self.s, self.layout, self.compute = scenario, layout, compute
+        self.pipeline_stage = pipeline_stage
         #: stage -> (host seconds per call, host seconds per byte of the stage's work): measured
         self.host_s = host_s or {}
         self.group_create_s = group_create_s
@@ -313,13 +324,18 @@ class PhaseBuilder:
         prefetched = -1  # the copy phase of the last layer's prefetch for this one (M14)
         dense = self.dense
         forward_of = {f.layer: f for f in d.forward}
+        # the distributed optimizer's gradient sums and its all-gathers of updated parameters (sim.step.param_gather)
+        expert_sums, expert_gathers = split_param_gathers(d.sync.expert_sync_ops)
+        dense_sums, dense_gathers = split_param_gathers(d.sync.dense_sync_ops)
+        gathers = ParamGathers(self, dense_gathers, expert_gathers, s.transformer.overlap_param_gather,
+                               self.pipeline_stage)
         for f in d.forward:
+            gathers.before_forward(f.layer)
             if dense.enabled:  # the layer's attention and the dense layers before it (MTP: projection, attention)
                 self.host("dense", f.layer, tokens)
-                self.chain("dense", f.layer, "compute", "compute", seconds=np.full(w, dense.forward_s[f.layer]),
-                           mem_delta=np.full(w, dense.held_bytes[f.layer]))
-                for ops in f.dense_ops:  # tensor parallelism, after the compute (not overlapped)
-                    self.chain("dense", f.layer, "ops", "comm", ops=ops)
+                # tensor parallelism's collectives after the compute (not overlapped), context parallelism's ring
+                chain_block(self, "dense", f.layer, dense.forward_s[f.layer], dense.held_bytes[f.layer], f.dense_ops,
+                            dense.ring_core_s(f.layer, backward=False))
             self.host("route", f.layer, tokens)
             self.chain("route", f.layer, "compute", "compute", seconds=self.router_s)
             self.chain("route", f.layer, "ops", "comm", ops=f.route_ops)
@@ -360,10 +376,10 @@ class PhaseBuilder:
                        seconds=np.full(w, dense.head_backward_s), mem_delta=np.full(w, -dense.head_held_bytes))
             self.head_phases = range(head_from, len(self.phases))
         sync_phases: list[int] = []
-        overlap_sync = s.overlap.sync_with_backward
+        overlap_sync = s.overlap.sync_with_backward or s.transformer.overlap_grad_reduce  # Megatron-Core's name
         creating = self.creation_seconds(d.sync)
-        discovery = [op for op in d.sync.expert_sync_ops if op.layer < 0]  # M10, once the forward is done
-        expert_ops = [op for op in d.sync.expert_sync_ops if op.layer >= 0]
+        discovery = [op for op in expert_sums if op.layer < 0]  # M10, once the forward is done
+        expert_ops = [op for op in expert_sums if op.layer >= 0]
         if overlap_sync and discovery:
             sync_phases.append(self.add("expert_sync", -1, "ops", "sync", (self.main,), ops=discovery))
         if overlap_sync and creating.any():  # communicators can be made once discovery knows A_e
@@ -388,12 +404,11 @@ class PhaseBuilder:
                        mem_delta=self.router_grad_bytes - freed)
             if dense.enabled:  # the block's backward: its activations go, its gradients come
                 self.host("dense_backward", layer, tokens)
-                self.chain("dense_backward", layer, "compute", "compute", seconds=np.full(w, dense.backward_s[layer]),
-                           mem_delta=np.full(w, self.dense_block_grads[layer] - dense.held_bytes[layer]))
-                for ops in b.dense_ops:
-                    self.chain("dense_backward", layer, "ops", "comm", ops=ops)
+                chain_block(self, "dense_backward", layer, dense.backward_s[layer],
+                            self.dense_block_grads[layer] - dense.held_bytes[layer], b.dense_ops,
+                            dense.ring_core_s(layer, backward=True))
             if overlap_sync:  # this layer's gradients are complete: sync them meanwhile
-                for stage, ops in (("expert_sync", expert_ops), ("dense_sync", d.sync.dense_sync_ops)):
+                for stage, ops in (("expert_sync", expert_ops), ("dense_sync", dense_sums)):
                     for batch in batches([op for op in ops if op.layer == layer]):
                         deps = (self.main,) + ((sync_phases[-1],) if sync_phases else ())
                         sync_phases.append(self.add(stage, layer, "ops", "sync", deps, ops=batch,
@@ -406,7 +421,7 @@ class PhaseBuilder:
             for batch in batches(expert_ops):
                 self.chain("expert_sync", batch[0].layer, "ops", "comm", ops=batch)
             self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
-            for batch in batches(d.sync.dense_sync_ops):
+            for batch in batches(dense_sums):
                 self.chain("dense_sync", batch[0].layer, "ops", "comm", ops=batch)
         else:
             self.host("dense_sync", -1, buffer_bytes(d.sync.dense_sync_ops, w))
@@ -423,6 +438,7 @@ class PhaseBuilder:
             all_grads = all_grads + sum(self.block_grads)
         self.main = self.add("optimizer", -1, "compute", "compute", deps, seconds=opt, mem_delta=-all_grads,
                              fitted_s=update)
+        gathers.after_optimizer()  # the updated parameters, unless the next forward gathers them
         self.host("heat", -1, np.zeros(w))
         if d.end.heat is not None:
             self.heat_phase(-1, d.end.heat_ops, d.probe_s)

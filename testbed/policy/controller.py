@@ -14,6 +14,15 @@ auxiliary-loss-free balancing bias's update from the whole batch's routed counts
 The answers are the records of ``testbed.policy.step_decisions`` (``LayerForward``,
 ``LayerBackward``, ``SyncPlan``, ``StepEnd``).
 
+Micro-batches (``transformer.micro_batches`` m on a real pipeline rank, ``real.rank.worker``):
+each layer's forward and backward are decided once per micro-batch (``micro_batch``), from that
+micro-batch's routed counts - its kept counts (capacity per micro-batch, as Megatron's
+dispatcher applies it), token exchange, replica refreshes and page accesses - while the step's
+routing is their combination: the routed and kept counts summed over the micro-batches and the
+EP groups' use of each expert OR-ed, which is what the expert sync, the group cache, the bias
+balancing, the heat map (M18) and the routing trace see, as a one-stage run of the same tokens
+in one micro-batch does. The simulator decides one micro-batch (micro-batch 0).
+
 It is deterministic given the scenario and the routed counts, so the simulator keeps
 one for the whole cluster and every real rank keeps one of its own (paging only its own
 GPU): they all take the same decisions.
@@ -100,9 +109,12 @@ class Controller:
                         if scenario.router.bias_update_rate > 0 else None)
         #: [L, E] the whole batch's routed counts of the step, as the backend's all-reduce told them
         self._balance_load: np.ndarray | None = None
+        #: per layer, the step's routed and kept counts [W, E] and use [R, E] (summed, OR-ed over micro-batches)
         self._routed: dict[int, np.ndarray] = {}
         self._kept: dict[int, np.ndarray] = {}
         self._active: dict[int, np.ndarray] = {}
+        #: per (layer, micro-batch), that micro-batch's kept counts and use, for its backward
+        self._micro: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._active_before: dict[int, np.ndarray] = {}
         #: (compute, memory, comm) heat of each step since the last heat update (M18)
         self._heat_pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -148,18 +160,21 @@ class Controller:
         self._routed.clear()
         self._kept.clear()
         self._active.clear()
+        self._micro = {}  # (a controller restored from an older checkpoint has none yet)
         self._balance_load = None
         if free_memory and self.pool is not None and self.s.pager.free_memory == "device":
             self.pool.call("set_free_memory", {int(r): tuple(map(float, v)) for r, v in free_memory.items()
                                                if int(r) in self.pool.row_of})
 
     def forward_layer(self, layer: int, routed: np.ndarray,
-                      shard_active: dict[int, np.ndarray] | None = None) -> LayerForward:
+                      shard_active: dict[int, np.ndarray] | None = None, micro_batch: int = 0) -> LayerForward:
         """Decide everything of one layer's forward from ``routed`` [W, E] slot counts.
 
         A real rank passes its EP group's rows (the others zero) and what its refresh
         requests (``refresh_request_ops``) told it: ``shard_active`` = {EP index j:
-        [R, E/P] whether each EP group kept tokens for shard j's experts} (module doc)."""
+        [R, E/P] whether each EP group kept tokens for shard j's experts} (module doc).
+        ``micro_batch``: which of the step's micro-batches this is (0 first; module doc):
+        the answer is that micro-batch's, its counts are added to the step's."""
         routed = np.asarray(routed)
         kept = kept_counts(routed, self.capacity)
         lay = self.layout
@@ -167,7 +182,13 @@ class Controller:
         n = lay.experts_per_rank
         for j, told in (shard_active or {}).items():
             active[:, j * n:(j + 1) * n] = told
-        self._routed[layer], self._kept[layer], self._active[layer] = routed, kept, active
+        self._micro[layer, micro_batch] = kept, active
+        if micro_batch == 0 or layer not in self._routed:
+            self._routed[layer], self._kept[layer], self._active[layer] = routed, kept, active
+        else:  # the step's routing: the micro-batches' combined
+            self._routed[layer] = self._routed[layer] + routed
+            self._kept[layer] = self._kept[layer] + kept
+            self._active[layer] = self._active[layer] | active
         requests = self.refresh_request_ops(layer)
         refresh_ops, refreshed = self._refresh_stale(layer, active)
         p = self.planner
@@ -187,7 +208,7 @@ class Controller:
                 deferred()
             fwd.prefetch_moves = self._prefetch(layer + 1)
 
-        fwd.page_moves = MovesByRank.concat([refreshed, self._access(layer, while_pinned)])
+        fwd.page_moves = MovesByRank.concat([refreshed, self._access(layer, while_pinned, active)])
         return fwd
 
     def _prefetch(self, layer: int) -> MovesByRank:
@@ -216,17 +237,20 @@ class Controller:
         shards = self.stale_shards(layer)
         return self.planner.refresh_request_ops(layer, shards) if shards else []
 
-    def _access(self, layer: int, while_pinned=None) -> MovesByRank:
+    def _access(self, layer: int, while_pinned=None, active: np.ndarray | None = None) -> MovesByRank:
         """Pages of the layer's needed experts onto each GPU, pinned only while the layer
         computes: the next layer may evict them (and the backward loads them again).
-        ``while_pinned()`` runs after the pins are taken, before they are released."""
+        ``while_pinned()`` runs after the pins are taken, before they are released.
+        ``active`` [R, E]: the EP groups' use of the experts now (a micro-batch's; default
+        the step's)."""
         if self.pool is None:
             if while_pinned is not None:
                 while_pinned()
             return MovesByRank()
         ranks = np.asarray(self.paged_ranks)
         experts = self._local_experts[ranks]  # [n, E/P]
-        used = self._active[layer][self.layout.group_of[ranks][:, None], experts]
+        active = self._active[layer] if active is None else active
+        used = active[self.layout.group_of[ranks][:, None], experts]
         inst = layer * self.E + experts
         moves = self.pool.call("access", {int(r): (inst[i][used[i]],) for i, r in enumerate(ranks)}, self.step)
         if while_pinned is not None:
@@ -258,13 +282,15 @@ class Controller:
         mine = {r: (np.array(sorted(v)),) for r, v in arriving.items() if r in self.pool.row_of}
         return ops, self.pool.call("refresh", mine, self.step)
 
-    def backward_layer(self, layer: int) -> LayerBackward:
-        """Ops of one layer's backward, and the page moves that bring its experts back."""
-        kept = self._kept[layer]
+    def backward_layer(self, layer: int, micro_batch: int = 0) -> LayerBackward:
+        """Ops of one layer's backward (of micro-batch ``micro_batch``, module doc), and the
+        page moves that bring its experts back."""
+        kept, active = self._micro.get((layer, micro_batch), (self._kept[layer], self._active[layer]))
         return LayerBackward(layer,
                              self.planner.token_ops("combine_backward", layer, kept),
                              self.planner.token_ops("dispatch_backward", layer, kept),
-                             self._access(layer), dense_ops=self.planner.dense_tp_ops(layer, backward=True))
+                             self._access(layer, active=active),
+                             dense_ops=self.planner.dense_tp_ops(layer, backward=True))
 
     def active_groups(self, layer: int) -> list[tuple[int, ...]]:
         """A_e for every expert of ``layer``: sorted ranks of replicas that hold a gradient."""

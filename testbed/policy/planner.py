@@ -61,6 +61,10 @@ expert gradients):
   backward order (last layer first); a bucket's all-reduce belongs to the layer whose
   gradient completes it, so with ``overlap.sync_with_backward`` it runs as soon as that
   layer's backward is done, else all run after the backward.
+- the distributed optimizer (``testbed.policy.distributed_optimizer``; ZeRO >= 1 with adam):
+  each ``dense_sync`` bucket's and each layer's ``allreduce`` expert sync's all-reduce is a
+  reduce-scatter, then an all-gather of the updated parameters (batch 1); the gradients in
+  ``transformer.grad_reduce_dtype`` (two_stage's reduce-scatters too).
 
 When the EP group is the world (one replica) the route all_gather already gives every
 rank the world's counts, and discovery, refresh requests and (for kept-slot heat) the
@@ -81,6 +85,8 @@ import numpy as np
 
 from testbed.policy import deepep
 from testbed.policy.collectives import CollectiveOp
+from testbed.policy.context_parallel import ContextParallelOps
+from testbed.policy.distributed_optimizer import check_distributed_optimizer, gradient_sum_ops, reduced_bytes
 from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel, etp_token_ops, with_etp_ops
 from testbed.policy.tensor_parallel_ops import TensorParallelOps
 from testbed.policy.whole_model import block_grad_bytes
@@ -107,6 +113,7 @@ class Planner:
         self.tokens = scenario.workload.tokens_per_rank
         self.world = tuple(range(self.layout.world))
         check_expert_tensor_parallel(scenario)
+        check_distributed_optimizer(scenario)
         self.etp = self.layout.etp_size  # expert tensor parallelism (module doc)
         self.strategy = scenario.comm.token_strategy
         self.grids = ([self.layout.node_grid(g) for g in range(self.layout.replicas)]
@@ -118,6 +125,7 @@ class Planner:
         self._fanout: dict[int, np.ndarray] = {}
         self._modelled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (kept, its modelled fanout)
         self._tensor_parallel: TensorParallelOps | None = None
+        self._context_parallel: ContextParallelOps | None = None
 
     # ---- route ----------------------------------------------------------------------------
     def route_ops(self, layer: int) -> list[CollectiveOp]:
@@ -360,26 +368,28 @@ class Planner:
     def dense_sync_ops(self) -> list[CollectiveOp]:
         """One all-reduce over all ranks per router-gradient bucket (``grad_buckets``),
         in backward order; its ``layer`` is the bucket's last-ready (lowest) layer.
-        Expert weights never go through it (M8's pitfall)."""
+        Expert weights never go through it (M8's pitfall). With Megatron-Core's distributed
+        optimizer (``testbed.policy.distributed_optimizer``: ZeRO >= 1 with adam) each
+        all-reduce is a reduce-scatter, and the bucket's ops are followed by the all-gathers
+        of its updated parameters; ``transformer.grad_reduce_dtype`` sizes the gradients."""
         if len(self.world) < 2:
             return []
         tp = self.s.parallelism.tp_size
-        if tp == 1:
-            what = "dense gradients" if self.s.transformer.enabled else "router gradients"
-            return [CollectiveOp("all_reduce", self.world, "dense_sync", min(b),
-                                 size=sum(self.layer_grad_bytes(layer) for layer in b),
-                                 label=f"{what}, layers {min(b)}-{max(b)}") for b in self.grad_buckets()]
-        # tensor parallel: the routers (whole on every rank) over all ranks, each rank's 1/tp
-        # of the rest over the ranks that hold the same 1/tp (the same index in their group)
         ops = []
         for b in self.grad_buckets():
             label = f"layers {min(b)}-{max(b)}"
-            ops.append(CollectiveOp("all_reduce", self.world, "dense_sync", min(b), size=len(b) * self.router_grad_bytes,
-                                    label=f"router gradients, {label}"))
-            ops += [CollectiveOp("all_reduce", group, "dense_sync", min(b),
-                                 size=sum(block_grad_bytes(self.s, layer) for layer in b),
-                                 label=f"dense gradients (tensor-parallel shard {i}), {label}")
-                    for i, group in enumerate(self.tp_peer_groups())]
+            routers, dense = len(b) * self.router_grad_bytes, sum(block_grad_bytes(self.s, layer) for layer in b)
+            if tp == 1:
+                what = "dense gradients" if self.s.transformer.enabled else "router gradients"
+                parts = [(self.world, routers, dense, f"{what}, {label}")]
+            else:  # the routers (whole on every rank) over all ranks, each rank's 1/tp of the rest
+                # over the ranks that hold the same 1/tp (the same index in their group)
+                parts = [(self.world, routers, 0, f"router gradients, {label}")]
+                parts += [(group, 0, dense, f"dense gradients (tensor-parallel shard {i}), {label}")
+                          for i, group in enumerate(self.tp_peer_groups())]
+            summed = [gradient_sum_ops(self.s, "dense_sync", members, min(b), fp32, model, text)
+                      for members, fp32, model, text in parts]
+            ops += [o[0] for o in summed] + [o[1] for o in summed if len(o) > 1]  # sums, then gathers
         return ops
 
     def fixed_groups(self) -> list[tuple[int, ...]]:
@@ -418,8 +428,11 @@ class Planner:
     def dense_tp_ops(self, layer: int, backward: bool) -> list[list[CollectiveOp]]:
         """The tensor-parallel collectives of MoE layer ``layer``'s dense work, in order
         (``testbed.policy.tensor_parallel_ops``: its block's, with layer 0 the embedding's, with
-        the last layer the output head's)."""
-        return self.tensor_parallel.dense(layer, backward)
+        the last layer the output head's), then the context-parallel ring's steps of its
+        attention sublayers (``testbed.policy.context_parallel``; ``is_ring_batch``)."""
+        if self._context_parallel is None:
+            self._context_parallel = ContextParallelOps(self.s)
+        return self.tensor_parallel.dense(layer, backward) + self._context_parallel.block(layer, backward)
 
     @staticmethod
     def bucket_part(op: CollectiveOp) -> str:
@@ -472,15 +485,19 @@ class Planner:
         lay, m = self.layout, self.s.model
         if lay.replicas < 2:
             return []
-        if self.s.comm.expert_sync == "allreduce" and self.etp > 1:  # each slice over its expert-DP group
-            size = lay.experts_per_rank * m.expert_bytes // self.etp
-            return [CollectiveOp("all_reduce", group, "expert_sync", layer, size=size, stream=int(lay.index_of[group[0]]),
-                                 label=f"expert-TP slice {lay.etp_index[group[0]]}, shard {lay.index_of[group[0]]}")
-                    for group in lay.expert_dp_groups() if len(group) > 1]
-        if self.s.comm.expert_sync == "allreduce":
-            size = lay.experts_per_rank * m.expert_bytes
-            return [CollectiveOp("all_reduce", tuple(sorted(lay.replica_group(j))), "expert_sync", layer, size=size,
-                                 stream=j, label=f"shard {j}") for j in range(lay.ep_size)]
+        if self.s.comm.expert_sync == "allreduce":  # each shard (expert TP: slice) over its replicas (expert DP)
+            if self.etp > 1:
+                size = lay.experts_per_rank * m.expert_bytes // self.etp
+                parts = [(group, int(lay.index_of[group[0]]),
+                          f"expert-TP slice {lay.etp_index[group[0]]}, shard {lay.index_of[group[0]]}")
+                         for group in lay.expert_dp_groups() if len(group) > 1]
+            else:
+                size = lay.experts_per_rank * m.expert_bytes
+                parts = [(tuple(sorted(lay.replica_group(j))), j, f"shard {j}") for j in range(lay.ep_size)]
+            # the distributed optimizer's (testbed.policy.distributed_optimizer): reduce-scatters, then all-gathers
+            summed = [gradient_sum_ops(self.s, "expert_sync", group, layer, 0, size, label, stream)
+                      for group, stream, label in parts]
+            return [o[0] for o in summed] + [o[1] for o in summed if len(o) > 1]
         ops = []
         synced = [e for e, grp in enumerate(active_groups) if len(grp) >= 2]
         per_batch = self.s.comm.sync_batch_experts
@@ -493,7 +510,8 @@ class Planner:
             for stream, e in chunk:
                 grp = active_groups[e]
                 padded = padded_elements(m.expert_params, len(grp))
-                ops.append(CollectiveOp("reduce_scatter", grp, "expert_sync", layer, size=padded * m.dtype_bytes,
+                ops.append(CollectiveOp("reduce_scatter", grp, "expert_sync", layer,
+                                        size=reduced_bytes(self.s, padded * m.dtype_bytes),
                                         batch=2 * batch, stream=stream, cached=True, label=f"expert {e}"))
             for stream, e in chunk:
                 grp = active_groups[e]

@@ -48,7 +48,7 @@ FEATURES: dict[str, Feature] = {
     "comm.token_strategy": Feature(lambda s: s.comm.token_strategy == "deepep", sim=True, real=True),
     # Megatron-Core's and DeepSeek's layouts (issue 25)
     "workload.global_batch": Feature(lambda s: s.workload.global_batch > 0, sim=True, real=True),
-    "parallelism.cp_size": Feature(lambda s: s.parallelism.cp_size > 1),
+    "parallelism.cp_size": Feature(lambda s: s.parallelism.cp_size > 1, sim=True, real=True),
     "parallelism.etp_size": Feature(lambda s: s.parallelism.etp_size > 1, sim=True),
     "parallelism.moe_layout": Feature(lambda s: s.parallelism.moe_layout != "folded", sim=True),
     "parallelism.pipeline_layout": Feature(lambda s: s.parallelism.pipeline_layout != "", sim=True),
@@ -58,6 +58,9 @@ FEATURES: dict[str, Feature] = {
     "parallelism.attention_parallel": Feature(lambda s: s.parallelism.attention_parallel != "tp"),
     "overlap.moe_expert_parallel_comm": Feature(lambda s: s.overlap.moe_expert_parallel_comm, sim=True),
     "transformer.recompute_modules": Feature(lambda s: s.transformer.recompute_modules.strip() != "", sim=True),
+    "transformer.overlap_grad_reduce": Feature(lambda s: s.transformer.overlap_grad_reduce, sim=True),
+    "transformer.overlap_param_gather": Feature(lambda s: s.transformer.overlap_param_gather, sim=True),
+    "transformer.grad_reduce_dtype": Feature(lambda s: s.transformer.grad_reduce_dtype != "model", sim=True),
 }
 
 

@@ -23,7 +23,10 @@ next 1/t of them in member order (rank 0 of the group the first), all-gathered i
 order before every attention. Megatron-Core splits each sequence of a micro-batch by
 position over the t GPUs instead (``[s, b, h]`` along s): with one sequence a micro-batch
 the rows are the same; with more, each GPU holds as many of the micro-batch's tokens either
-way (what the simulator counts), other positions of them.
+way (what the simulator counts), other positions of them. With ``parallelism.cp_size`` c > 1
+a CP rank's rows (its TP group's) hold chunks r and 2c - 1 - r of each of its CP group's
+sequences, seq_len / c rows a sequence (``_check_context_parallel``;
+``testbed.policy.context_parallel``).
 """
 
 from __future__ import annotations
@@ -190,6 +193,8 @@ class Scenario:
                                 ("transformer.dense_ffn_hidden_size", t.dense_ffn_hidden_size or 4 * m.hidden_size)):
                 if value % p.tp_size:
                     raise ScenarioError(name, value, f"is not a multiple of parallelism.tp_size = {p.tp_size}")
+        if p.cp_size > 1:
+            _check_context_parallel(self)
         _check_pipeline(self)
         if t.enabled:
             if m.hidden_size % t.num_heads and not t.head_dim:  # a head dimension of its own needs no split of H
@@ -227,7 +232,9 @@ def _check_pipeline(s: "Scenario") -> None:
         raise ScenarioError("transformer.micro_batches", t.micro_batches,
                             f"the interleaved schedule needs a multiple of parallelism.pp_size = {p.pp_size}")
     tokens = s.workload.tokens_per_rank
-    if shares_sequences(s):  # the TP group's micro-batch, not each GPU's, is whole sequences
+    if p.cp_size > 1:
+        pass  # the CP rank's rows of a micro-batch: _check_context_parallel
+    elif shares_sequences(s):  # the TP group's micro-batch, not each GPU's, is whole sequences
         if tokens % t.micro_batches or p.tp_size * (tokens // t.micro_batches) % t.seq_len:
             raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
                                 f"{tokens}: a micro-batch of the tensor-parallel group, parallelism.tp_size x "
@@ -262,6 +269,8 @@ def _check_sequences(s: "Scenario") -> None:
     parallelism its tensor-parallel group's; what needs each GPU's own sequences is refused
     where they are not."""
     t, tokens = s.transformer, s.workload.tokens_per_rank
+    if s.parallelism.cp_size > 1:
+        return  # the CP ranks' chunks of sequences: _check_context_parallel
     share = s.parallelism.tp_size if shares_sequences(s) else 1  # GPUs whose tokens attention sees together
     if share == 1 and tokens % t.seq_len:
         raise ScenarioError("transformer.seq_len", t.seq_len, f"does not divide workload.tokens_per_rank = {tokens}")
@@ -275,6 +284,54 @@ def _check_sequences(s: "Scenario") -> None:
                             f"the sequence-wise balance loss is taken over each GPU's own sequences; with "
                             f"workload.tokens_per_rank = {tokens} each GPU of a tensor-parallel group holds part "
                             f"of a sequence of transformer.seq_len = {t.seq_len} (not modelled)")
+
+
+def _check_context_parallel(s: "Scenario") -> None:
+    """Context parallelism (``parallelism.cp_size`` > 1, ``testbed.policy.context_parallel``):
+    each sequence in 2 cp chunks over the cp GPUs of a group, the CP rank's rows of a
+    micro-batch (its TP group's, tp x tokens_per_rank / micro_batches) whole shares of
+    seq_len / cp of sequences; what the ring as Megatron-Core and Transformer Engine run it
+    (cp_comm_type p2p) does not take, or the testbed does not model with it, is refused."""
+    p, t, w = s.parallelism, s.transformer, s.workload
+    cp, tp = p.cp_size, p.tp_size
+    if not t.enabled:
+        raise ScenarioError("parallelism.cp_size", cp, "context parallelism splits sequences, which the MoE stack "
+                            "alone has none of: set transformer.enabled = true")
+    if s.cluster.gpus % (tp * cp):
+        raise ScenarioError("parallelism.cp_size", cp, f"with tp_size = {tp}: tp x cp = {tp * cp} does not divide "
+                            f"the {s.cluster.gpus} GPUs of the cluster")
+    if t.seq_len % (2 * cp):  # megatron/training/arguments.py asserts it
+        raise ScenarioError("transformer.seq_len", t.seq_len, f"is not a multiple of 2 x parallelism.cp_size = "
+                            f"{2 * cp} (context parallelism cuts each sequence into 2 x cp_size chunks)")
+    if tp > 1 and not p.sequence_parallel:
+        raise ScenarioError("parallelism.sequence_parallel", False, f"with parallelism.cp_size = {cp} and tp_size = "
+                            f"{tp}: context parallelism is modelled with sequence parallelism (Megatron-Core's MoE "
+                            "layers need it)")
+    modules = [n.strip() for n in t.recompute_modules.split(",") if n.strip()]
+    refused = (
+        ("parallelism.pp_size", p.pp_size if p.pp_size > 1 else 0, "pipeline stages are not modelled with it"),
+        # transformer_engine attn_forward_func_with_cp: neither with cp_comm_type p2p
+        ("transformer.sliding_window", t.sliding_window, "Transformer Engine's p2p ring has no sliding window"),
+        ("transformer.attention_sinks", t.attention_sinks, "Transformer Engine's p2p ring has only the vanilla "
+         "softmax"),
+        ("transformer.mtp_layers", t.mtp_layers, "the tokens an MTP module looks ahead to sit on other CP ranks "
+         "(not modelled)"),
+        ("transformer.recompute", t.recompute if t.recompute != "none" else 0, "recomputing attention runs the "
+         "ring again (not modelled)"),
+        ("transformer.recompute_modules", "core_attn" in modules and t.recompute_modules,
+         "core_attn's recompute runs the ring again (not modelled)"),
+        # moe_utils.py sequence_load_balancing_loss_func sums over its sequence_partition_group (TP x CP)
+        ("router.seq_aux_loss_coef", s.router.seq_aux_loss_coef, "the sequence-wise balance loss over sequences "
+         "split across a CP group is not modelled"))
+    for name, value, why in refused:
+        if value:
+            raise ScenarioError(name, value, f"with parallelism.cp_size = {cp}: {why}")
+    rows, local = tp * w.tokens_per_rank, t.seq_len // cp
+    if w.tokens_per_rank % t.micro_batches or (rows // t.micro_batches) % local:
+        raise ScenarioError("workload.tokens_per_rank", w.tokens_per_rank,
+                            f"a CP rank's rows of a micro-batch, tp_size x tokens_per_rank / micro_batches = "
+                            f"{tp} x {w.tokens_per_rank} / {t.micro_batches}, are not whole shares "
+                            f"seq_len / cp_size = {local} of sequences")
 
 
 #: the fields ``workload.global_batch`` > 0 derives (``resolve_batch``)

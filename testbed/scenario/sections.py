@@ -152,7 +152,20 @@ class TransformerConfig:
                                  "activations; DeepSeek-V3 on H100: mlp,mla_up_proj,moe_act,layernorm); empty = "
                                  "none (transformer.recompute = full recomputes whole layers)", "",
                                  check=recompute_module_names)
-    zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); the gradient sum moves the same bytes (reduce-scatter + all-gather as one all-reduce)", 0, check=between(0, 2))
+    zero_stage: int = doc("ZeRO: 0 (every rank keeps all optimizer state), 1 (the state sharded over the ranks that hold a parameter: all ranks for the dense ones, an expert's replicas for its), 2 (the gradients too); with the whole transformer's adam, 1 and 2 run Megatron-Core's distributed optimizer (--use-distributed-optimizer): each gradient bucket reduce-scattered, each rank's shard updated, the updated parameters all-gathered", 0, check=between(0, 2))
+    overlap_grad_reduce: bool = doc("Megatron-Core's --overlap-grad-reduce: each gradient bucket's reduce-scatter "
+                                    "(all-reduce with zero_stage 0) starts once the backward of its layers is done, "
+                                    "beside the rest of the backward (as overlap.sync_with_backward); false = after "
+                                    "the backward", False)
+    overlap_param_gather: bool = doc("Megatron-Core's --overlap-param-gather (zero_stage >= 1 with adam, and "
+                                     "overlap_grad_reduce, as Megatron-LM asks): each bucket's all-gather of updated "
+                                     "parameters runs beside the next step's forward, one bucket ahead, each layer's "
+                                     "forward waiting for its own; false = all of them after the optimizer step",
+                                     False)
+    grad_reduce_dtype: str = doc("dtype the dense and expert gradients are summed in, the reduce-scatter's "
+                                 "(all-reduce's) element size: model (model.dtype; the routers' stay fp32: "
+                                 "Megatron-LM's --grad-reduce-in-bf16) or fp32 (--accumulate-allreduce-grads-in-fp32, "
+                                 "Megatron-LM's default with --bf16)", "model", choices=("model", "fp32"))
 
     @property
     def kv_heads(self) -> int:

@@ -29,7 +29,7 @@ def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch
 
 #: issue 25's layout fields, each with a value that uses it; refused until a backend models it
 LAYOUT_VALUES = {
-    "parallelism": {"cp_size": 2, "attention_parallel": "ulysses"},
+    "parallelism": {"attention_parallel": "ulysses"},
 }
 
 
@@ -44,6 +44,16 @@ def test_a_layout_field_no_backend_models_yet_is_refused_on_both(section, key, v
     for backend in ("sim", "real"):
         with pytest.raises(ScenarioError, match=rf"{field} = .*the {backend} backend does not model this yet"):
             features.check_features(s, backend)
+
+
+def test_context_parallelism_is_modelled_on_both_backends():
+    """parallelism.cp_size (issue 25, item 2): the simulator and the real backend run it."""
+    s = Scenario.from_dict({"cluster": {"gpus_per_node": 4}, "parallelism": {"cp_size": 2},
+                            "workload": {"tokens_per_rank": 128},
+                            "transformer": {"enabled": True, "seq_len": 256}})
+    assert features.used_features(s) == ["parallelism.cp_size"]
+    for backend in ("sim", "real"):
+        features.check_features(s, backend)  # modelled: no error
 
 
 def test_an_unknown_recompute_module_is_named():
