@@ -3,7 +3,7 @@
 Per step: faults due at this step change the fabric or cost a restart; routing comes
 from the synthetic workload (M4) or a recorded trace (``workload.trace``); the shared
 controller takes every decision over the MoE layers it plans (the model's and, with
-multi-token prediction, one per MTP module: ``testbed.policy.mtp_layers``);
+multi-token prediction, one per MTP module: ``testbed.model.mtp_layers``);
 ``PhaseBuilder`` turns them into timed work on each GPU's streams; an executor times the
 phases (``sim.network_model``: ``flow`` = every flow on the max-min fair network, the
 ranks' phases advanced in numpy between the network's events (``sim.step.flow_executor``),
@@ -39,11 +39,11 @@ from sim.step.schedule import WarmStart, copy_timer, run_analytic
 from sim.step.step_report import figures, trace_events
 from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
+from testbed.model.mtp_layers import controller_scenario
 from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_reduce
 from testbed.policy.combined_1f1b import check_combined_1f1b
 from testbed.policy.controller import Controller
 from testbed.policy.distributed_optimizer import check_distributed_optimizer
-from testbed.policy.mtp_layers import controller_scenario
 from testbed.policy.page_moves import add_reason_counts, page_move_count
 from testbed.policy.pipeline_stages import PipelineStages, check_pipeline, pipelined
 from testbed.policy.workload import SyntheticWorkload
@@ -121,7 +121,7 @@ class ClusterSim:
     """The simulated cluster of one run: fabric, network, models, controller, clock.
     ``model_scenario``: the model's scenario; ``s``: the controller's, whose
     ``model.num_layers`` MoE layers it plans (with MTP modules theirs too,
-    ``testbed.policy.mtp_layers.controller_scenario``); ``pipeline_stage``: it simulates one
+    ``testbed.model.mtp_layers.controller_scenario``); ``pipeline_stage``: it simulates one
     micro-batch of a pipeline stage (``sim.pipeline.run``)."""
 
     def __init__(self, scenario: Scenario, profile: MachineProfile, pipeline_stage: bool = False):
@@ -207,7 +207,7 @@ class ClusterSim:
     def optimizer_state_bytes(self) -> float:
         """Bytes of Adam's state a GPU holds (``transformer.optimizer = adam``):
         ``transformer.optimizer_state_bytes`` per parameter of everything it holds (dense
-        weights, routers, its experts), its ZeRO shard (``testbed.policy.whole_model.zero_shards``);
+        weights, routers, its experts), its ZeRO shard (``testbed.model.whole_model.zero_shards``);
         0 for plain SGD."""
         t, dense, b = self.s.transformer, self.builder.dense, self.builder
         if not t.enabled or t.optimizer != "adam":

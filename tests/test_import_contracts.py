@@ -49,3 +49,18 @@ def test_a_wrong_import_in_a_scratch_copy_breaks_its_contract(tmp_path, module, 
     # higher rooms through the backend, so more than one contract may break)
     assert any(line.startswith(contract) for line in broken), out.stdout
     assert module.removesuffix(".py").replace("/", ".") in out.stdout
+
+
+def test_the_architecture_pages_room_table_counts_each_rooms_modules():
+    """docs/architecture.md's table of rooms names every room, each with its number of
+    modules (files of its folder besides ``__init__.py``), so the page cannot go stale."""
+    import re
+
+    rows = re.findall(r"^\| `(\w+/\w+)` \| .* \| (\d+) \|$", (REPO / "docs" / "architecture.md").read_text(), re.M)
+    listed = {room: int(n) for room, n in rows}
+    rooms = {f"{p.parent.parent.name}/{p.parent.name}" for package in PACKAGES
+             for p in (REPO / package).glob("*/__init__.py")}
+    assert set(listed) == rooms
+    for room, n in listed.items():
+        modules = [p for p in (REPO / room).glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) == n, f"{room}: {len(modules)} modules, the page says {n}"

@@ -56,7 +56,7 @@ def test_the_deepseek_like_config_learns_on_the_real_backend(tmp_path, repo_root
 @pytest.mark.slow
 def test_the_deepseek_like_config_and_its_replay_move_the_same_bytes(tmp_path, repo_root):
     """Every feature with the MTP module: the simulator plans its MoE layer as the real
-    ranks do (``testbed.policy.mtp_layers``), so the replay routes, exchanges, pages and
+    ranks do (``testbed.model.mtp_layers``), so the replay routes, exchanges, pages and
     syncs it from the trace, and its projection's and attention's gradients are in the
     last bucket with the head's on both backends."""
     s = deepseek_like(repo_root, tmp_path)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from real.kernels.experts import GroupLayout, expert_ffn, grouped_forward
-from testbed.policy.whole_model import attention_core_flops
+from testbed.model.whole_model import attention_core_flops
 
 MiB = 2**20
 
@@ -121,7 +121,7 @@ def expert_rate(device, dtype, kernel: str, experts: int, tokens: int, hidden: i
 
 def attention_rate(device, dtype, tokens: int, seq_len: int, hidden: int, heads: int, reps: int = 5) -> float:
     """FLOP/s of causal attention's core, forward and backward (3 x
-    ``testbed.policy.whole_model.attention_core_flops``), on ``tokens`` tokens in sequences of
+    ``testbed.model.whole_model.attention_core_flops``), on ``tokens`` tokens in sequences of
     ``seq_len``, ``heads`` heads of ``hidden / heads``."""
     shape = (max(1, tokens // seq_len), heads, seq_len, hidden // heads)
     q, k, v = (_randn(shape, device, dtype, 5 + i, grad=True) for i in range(3))

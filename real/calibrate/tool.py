@@ -66,7 +66,7 @@ from real.launch.launcher import usable_cores
 from real.netem import EmulatedFabric
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES, TOKEN_STAGES, stage_variant
-from testbed.policy.whole_model import attention_core_flops
+from testbed.model.whole_model import attention_core_flops
 from testbed.run.runner import run_scenario
 from testbed.run.sources import scenario_record
 from testbed.scenario.profile import (

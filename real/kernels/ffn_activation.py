@@ -10,7 +10,7 @@ is the output.
   [F, 2 F) the up's: Megatron-LM's fused ``linear_fc1`` and its ``glu``, which chunks its
   output in two, ``megatron/core/transformer/mlp.py``), h = silu(a_gate) * a_up
   (Shazeer 2020, "GLU Variants Improve Transformer", FFN_SwiGLU). Three matrices of H x F
-  in all, as ``testbed.policy.transformer_shape`` counts them; one GEMM for gate and up.
+  in all, as ``testbed.model.transformer_shape`` counts them; one GEMM for gate and up.
 
 An FFN's flat weights (an expert's, in its pages) are w1 (H x W, row-major) then w2
 (F x H): ``input_width(ffn, swiglu) * hidden + ffn * hidden`` elements, the scenario's

@@ -1,6 +1,6 @@
 """One attention sublayer of the real whole transformer: its weights and its causal forward
 within each sequence of ``transformer.seq_len`` consecutive tokens, with the shapes of
-``testbed.policy.transformer_shape`` (so its parameters are the model card's).
+``testbed.model.transformer_shape`` (so its parameters are the model card's).
 
 - Grouped-query attention (``transformer.attention = "gqa"``; Ainslie et al. 2023): Q
   (H x n d), K and V (H x k d: ``num_kv_heads`` heads, each serving n / k query heads), O

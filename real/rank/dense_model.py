@@ -2,7 +2,7 @@
 ``transformer.enabled``): the embedding, each MoE layer's block of attention and dense
 FFN layers before its route, and the output head with its loss.
 
-The shapes are ``testbed.policy.whole_model``'s (``transformer_shape``), so the simulator
+The shapes are ``testbed.model.whole_model``'s (``transformer_shape``), so the simulator
 counts the same parameters, FLOPs and gradient bytes (``Planner.layer_grad_bytes``):
 
 - MoE layer l's block: ``moe_every`` sublayers; sublayer j is a causal attention
@@ -53,7 +53,7 @@ from real.rank.attention import Attention, attention_weights
 from real.rank.context_parallel import ContextParallelAttention
 from real.rank.layer import seed_of
 from real.rank.mtp import MTP_LAYER, mtp_weights, tokens_ahead
-from testbed.policy.whole_model import shape_of
+from testbed.model.whole_model import shape_of
 from testbed.scenario.scenario import Scenario
 
 
@@ -200,7 +200,7 @@ class DenseModel:
 
     def named_layer_params(self, layer: int) -> list[tuple[str, torch.Tensor]]:
         """(name, weight) of the dense weights whose gradients MoE layer ``layer``'s bucket
-        carries (``testbed.policy.whole_model.block_grad_bytes``), in bucket order: its
+        carries (``testbed.model.whole_model.block_grad_bytes``), in bucket order: its
         block's (attention, dense FFNs); with the last MoE layer (ready first in the
         backward) the MTP modules' projections and attentions (``real.rank.mtp``: their MoE
         layers have no block) and the output head's; with layer 0 the first dense layers'

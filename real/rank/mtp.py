@@ -19,7 +19,7 @@ model's (shared, their gradients summed from both uses).
 TRM_k is one attention sublayer and an MoE layer (Megatron-LM's MTP takes the decoder's
 last layer's spec; the model card counts it so: ``TransformerShape.mtp_module_params``).
 Its MoE layer is one more MoE layer for the controller: the main model's L MoE layers are
-its layers 0 .. L-1 and module d's is layer L + d (``testbed.policy.mtp_layers``, as the
+its layers 0 .. L-1 and module d's is layer L + d (``testbed.model.mtp_layers``, as the
 simulator plans it too), so its routing, pages, token exchange, expert sync, router and
 shared experts are planned as every MoE layer's. Its projection and attention are in the
 last MoE layer's (L + D - 1) gradient bucket, with the head (ready first in the

@@ -71,7 +71,7 @@ class RankState:
     #: and ``rank`` are then the stage's own
     place: StagePlace | None = None
     #: the whole model's scenario, when ``scenario`` is the controller's with more MoE layers
-    #: (MTP modules: ``testbed.policy.mtp_layers.controller_scenario``); None: ``scenario``
+    #: (MTP modules: ``testbed.model.mtp_layers.controller_scenario``); None: ``scenario``
     model: Scenario | None = None
     layout: Layout = field(init=False)
 

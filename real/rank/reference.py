@@ -48,7 +48,7 @@ from real.kernels.task import SyntheticTask, TokenTask
 from real.rank.layer import noise_generator
 from real.rank.rank_state import TORCH_DTYPES, initial_expert_flat
 from real.rank.reference_model import ReferenceModel, ffn_by_formula
-from testbed.policy.mtp_layers import controller_scenario
+from testbed.model.mtp_layers import controller_scenario
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 

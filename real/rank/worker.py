@@ -70,7 +70,7 @@ from real.rank.mtp import MTP_LOSS_WEIGHT
 from real.rank.probe import probe_answers
 from real.rank.rank_state import RankState
 from testbed.core.errors import RunError, ScenarioError
-from testbed.policy.mtp_layers import controller_scenario, mtp_modules
+from testbed.model.mtp_layers import controller_scenario, mtp_modules
 from testbed.policy.pipeline_order import schedule_order
 from testbed.policy.pipeline_stages import stage_place, stage_scenario
 from testbed.scenario.profile import load_profile

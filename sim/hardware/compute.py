@@ -25,7 +25,7 @@ F x H), so 2 x 3 x tokens x H x F FLOPs forward and 1.5 x gelu's weight bytes at
 its gate and up run as one GEMM (Megatron-Core's linear_fc1 of 2 F), so the launches stay
 2 forward and 4 backward.
 
-FP8 GEMMs (``model.gemm_dtype = "fp8"``, ``testbed.policy.fp8_casts``): the linear
+FP8 GEMMs (``model.gemm_dtype = "fp8"``, ``testbed.model.fp8_casts``): the linear
 layers' GEMMs (experts, shared experts, attention projections, dense FFNs) run at the
 profile's ``compute.peak_tflops.fp8`` times the same efficiency curves and read their
 weights in fp8 (1 byte); their casts (inputs, weights, and in the backward the output
@@ -42,7 +42,7 @@ import numpy as np
 
 from sim.hardware.software_latency import fit_at
 from testbed.core.errors import ScenarioError
-from testbed.policy.fp8_casts import FP8_BYTES, gemm_cast_bytes
+from testbed.model.fp8_casts import FP8_BYTES, gemm_cast_bytes
 from testbed.scenario.profile import MachineProfile
 from testbed.scenario.sections import DTYPE_BYTES
 
@@ -114,7 +114,7 @@ class ComputeModel:
 
     def expert_cast_bytes(self, tokens, hidden: int, ffn: int, matrices: int = 2, backward: bool = False):
         """[..., experts] bytes of the fp8 casts of each expert's two GEMMs on ``tokens``
-        rows (``testbed.policy.fp8_casts.gemm_cast_bytes``): H x (matrices - 1) F, then F x H."""
+        rows (``testbed.model.fp8_casts.gemm_cast_bytes``): H x (matrices - 1) F, then F x H."""
         t = np.asarray(tokens, dtype=np.float64)
         return sum(gemm_cast_bytes(t, k, n, self.dtype_bytes, self.fp8_scaling, backward)
                    for k, n in ((hidden, (matrices - 1) * ffn), (ffn, hidden)))

@@ -5,7 +5,7 @@ A block is the MoE layer's own attention and the ``moe_every - 1`` dense layers 
 it (attention and a dense FFN each); MoE layer 0's block also holds the dense-first
 layers (``transformer.first_dense_layers``, DeepSeek-V3's 3) before them. Per rank, on
 its ``workload.tokens_per_rank`` tokens (sequences of ``transformer.seq_len``), with the
-shape's closed forms (``testbed.policy.transformer_shape``):
+shape's closed forms (``testbed.model.transformer_shape``):
 
 - GEMMs (the attention's projections: GQA's fused Q, K, V and O, n heads of
   ``transformer.head_dim``, or MLA's down and up projections; the dense FFN's matrices,
@@ -20,7 +20,7 @@ shape's closed forms (``testbed.policy.transformer_shape``):
   ``compute.efficiency.attention`` for a sequence of s;
 - the backward twice the forward's GEMMs plus the backward's casts, and with
   ``transformer.recompute = full`` the forward once more; with Megatron-Core's recompute
-  modules (``transformer.recompute_modules``, ``testbed.policy.recompute_modules``) what
+  modules (``transformer.recompute_modules``, ``testbed.model.recompute_modules``) what
   each layer's modules run again before its backward (``recompute_s``: ``core_attn``,
   ``mlp``, ``layernorm``, ``mla_up_proj``; the MoE FFN's ``moe_act``, ``moe`` and
   ``shared_experts`` are the phase builder's and the shared experts'): its GEMMs as the
@@ -29,7 +29,7 @@ shape's closed forms (``testbed.policy.transformer_shape``):
   in the model dtype at ``memory_GBps`` (``kernel_seconds``; the pre-MLP norm of an MoE
   layer recomputes here too, before the block's backward rather than inside the MoE
   FFN's);
-- activations kept for the backward per layer as ``testbed.policy.whole_model``'s
+- activations kept for the backward per layer as ``testbed.model.whole_model``'s
   ``layer_activation_bytes`` gives them (Korthikanti et al.; flash attention keeps no
   scores; the shape's attention and dense-FFN terms), scaled from 16-bit to the model's
   dtype; with full recompute only each layer's input; with recompute modules less what
@@ -40,7 +40,7 @@ shape's closed forms (``testbed.policy.transformer_shape``):
 - the MTP modules (``transformer.mtp_layers`` D, DeepSeek-V3 §2.2) after the last MoE
   layer: each a projection 2H x H, one layer (whole-sequence attention and an MoE FFN)
   and the shared head once more. Module d's MoE FFN is MoE layer L + d of the controller
-  (``testbed.policy.mtp_layers``: planned, routed, exchanged, paged and synced as every
+  (``testbed.model.mtp_layers``: planned, routed, exchanged, paged and synced as every
   MoE layer), so its block here is module d's projection (on the rank's T tokens; the
   norms and the embedding lookup cost nothing) and its attention sublayer: ``forward_s``
   and the other per-block lists hold L + D blocks. Its activations: its attention
@@ -80,11 +80,11 @@ from collections import Counter
 import numpy as np
 
 from sim.hardware.compute import ComputeModel
-from testbed.policy.fp8_casts import linears_copy_bytes
-from testbed.policy.mtp_layers import mtp_block_params, mtp_modules
-from testbed.policy.recompute_modules import LayerRecompute, RecomputeWork
-from testbed.policy.transformer_shape import attention_core_flops
-from testbed.policy.whole_model import layer_activation_bytes, recompute_modules_of, shape_of
+from testbed.model.fp8_casts import linears_copy_bytes
+from testbed.model.mtp_layers import mtp_block_params, mtp_modules
+from testbed.model.recompute_modules import LayerRecompute, RecomputeWork
+from testbed.model.transformer_shape import attention_core_flops
+from testbed.model.whole_model import layer_activation_bytes, recompute_modules_of, shape_of
 from testbed.scenario.scenario import Scenario
 
 #: the recompute modules of a layer's attention and dense FFN, recomputed before its block's
@@ -115,7 +115,7 @@ class DenseLayers:
 
     def __init__(self, scenario: Scenario, compute: ComputeModel):
         """``scenario``: the model's (``model.num_layers`` L main MoE layers; not the
-        controller's, ``testbed.policy.mtp_layers.controller_scenario``)."""
+        controller's, ``testbed.model.mtp_layers.controller_scenario``)."""
         s, t, m = scenario, scenario.transformer, scenario.model
         self.enabled = t.enabled
         if not self.enabled:

@@ -6,7 +6,7 @@ field were absent (``testbed.run.features`` says which features it models at all
   A100, the CPU profiles);
 - recompute modules (``transformer.recompute_modules``) without the whole transformer
   (they recompute parts of its layers), and the combinations Megatron-Core refuses
-  (``testbed.policy.recompute_modules.check_recompute_modules``): beside full recompute,
+  (``testbed.model.recompute_modules.check_recompute_modules``): beside full recompute,
   ``moe_act`` without grouped expert GEMMs (``sim.expert_kernel``), ``mla_up_proj``
   without MLA, ``shared_experts`` under the shared-expert overlap (``overlap.shared_experts``),
   ``moe_act`` or ``layernorm`` with fp8's tensor (delayed) scaling. ``moe`` is refused by
@@ -22,8 +22,8 @@ field were absent (``testbed.run.features`` says which features it models at all
 from __future__ import annotations
 
 from testbed.core.errors import ScenarioError
-from testbed.policy.recompute_modules import check_recompute_modules
-from testbed.policy.whole_model import shape_of
+from testbed.model.recompute_modules import check_recompute_modules
+from testbed.model.whole_model import shape_of
 from testbed.scenario.profile import MachineProfile
 from testbed.scenario.scenario import Scenario
 

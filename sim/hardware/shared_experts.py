@@ -3,7 +3,7 @@ Qwen2-MoE's): every token of the rank passes through them on the rank it sits on
 they cost the same on every rank and move no token.
 
 Per MoE layer, on the rank's ``workload.tokens_per_rank`` tokens T (the closed forms:
-``testbed.policy.transformer_shape``, one MoE layer's shape ``moe_layer_shape``):
+``testbed.model.transformer_shape``, one MoE layer's shape ``moe_layer_shape``):
 
 - compute: each shared expert's FFN (``model.ffn_activation``'s matrices of H x F_s,
   F_s = ``model.shared_ffn_hidden_size``) and the gate's H x 1, dense GEMMs of T rows at
@@ -21,10 +21,10 @@ Per MoE layer, on the rank's ``workload.tokens_per_rank`` tokens T (the closed f
   inner checkpoint running again inside the outer's recompute), before their backward,
   in ``backward_s``'s first part (its recomputed activations live inside that part, which
   the phases' memory, taken at a phase's end, does not see); their activations are the
-  figure above less Megatron-Core's saving (``testbed.policy.whole_model.recompute_savings``'
+  figure above less Megatron-Core's saving (``testbed.model.whole_model.recompute_savings``'
   ``shared``), none where that is larger (every tensor of theirs is freed);
 - weights: whole on every rank (replicated, as dense weights: their gradients are summed
-  with the dense ones, ``testbed.policy.whole_model.block_grad_bytes``), in the model
+  with the dense ones, ``testbed.model.whole_model.block_grad_bytes``), in the model
   dtype; with fp8 GEMMs their fp8 copies while the layer's forward and backward run.
 
 Tensor parallelism would split them and need collectives the planner does not plan:
@@ -35,8 +35,8 @@ the simulator refuses shared experts with ``parallelism.tp_size`` > 1
 from __future__ import annotations
 
 from sim.hardware.compute import ComputeModel
-from testbed.policy.fp8_casts import linears_copy_bytes
-from testbed.policy.whole_model import moe_layer_shape, recompute_modules_of, recompute_savings, shape_of
+from testbed.model.fp8_casts import linears_copy_bytes
+from testbed.model.whole_model import moe_layer_shape, recompute_modules_of, recompute_savings, shape_of
 from testbed.scenario.scenario import Scenario
 
 

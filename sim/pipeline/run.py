@@ -56,9 +56,9 @@ from sim.pipeline.stage_work import MICRO_BATCH_STAGES, RankWork, SimulatedStage
 from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
 from sim.step.step_report import fitted_by_rank
+from testbed.model.mtp_layers import mtp_modules
 from testbed.policy.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce
 from testbed.policy.combined_1f1b import check_combined_1f1b, combined_1f1b
-from testbed.policy.mtp_layers import mtp_modules
 from testbed.policy.pipeline_stages import PipelineStages, dualpipe
 from testbed.scenario.scenario import Scenario
 

@@ -34,7 +34,7 @@ from sim.pipeline.schedule import OverlappedPair
 
 def embedding_head_params(shape, embedding: bool, loss: bool) -> int:
     """Parameters of the input embedding and output head a stage holding the ``embedding`` and
-    the ``loss`` (or not) keeps (``shape``: ``testbed.policy.transformer_shape.TransformerShape``)."""
+    the ``loss`` (or not) keeps (``shape``: ``testbed.model.transformer_shape.TransformerShape``)."""
     if shape.tied_embeddings:
         return shape.head_params if (embedding or loss) else 0
     return (shape.input_embedding_params if embedding else 0) + (shape.head_params if loss else 0)

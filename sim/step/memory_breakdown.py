@@ -26,7 +26,7 @@ phases' memory annotations use, for the GPU whose simulated memory peaked highes
   each.
 
 Every MoE layer the controller plans is counted, the MTP modules' too
-(``testbed.policy.mtp_layers``: their routed experts are paged, their routers and shared
+(``testbed.model.mtp_layers``: their routed experts are paged, their routers and shared
 experts held, as every MoE layer's; their projections and attentions are dense blocks).
 
 The categories are not all at their most at one moment (activations peak at the end of
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from sim.hardware.dense_layers import grouped_sum
 from sim.step.phases import StepDecisions
-from testbed.policy.whole_model import block_grad_bytes
+from testbed.model.whole_model import block_grad_bytes
 
 
 def memory_breakdown(sim, d: StepDecisions, phases, rank: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ the sync's all-reduces are reduce-scatters and the updated parameters' all-gathe
 optimizer, or with ``transformer.overlap_param_gather`` run beside the forward
 (``sim.step.param_gather``); ``transformer.overlap_grad_reduce`` is ``overlap.sync_with_backward``.
 
-The layers are the MoE layers the controller plans (``testbed.policy.mtp_layers``): the
+The layers are the MoE layers the controller plans (``testbed.model.mtp_layers``): the
 model's L and, with MTP modules (``transformer.mtp_layers`` D), module d's as layer
 L + d, its block its projection and attention (``sim.hardware.dense_layers``); the
 output head (the model's and each module's) runs after MoE layer L + D - 1.
@@ -45,9 +45,9 @@ and the last combine. Without it they run in the chain after the combine (backwa
 before the combine_backward), as Megatron-Core's shared experts do without the overlap.
 
 Recompute by module (``transformer.recompute_modules``, Megatron-Core's
-``--recompute-modules``; ``testbed.policy.recompute_modules``): an MoE layer's forward
+``--recompute-modules``; ``testbed.model.recompute_modules``): an MoE layer's forward
 keeps its expert rows less what the modules free of them
-(``testbed.policy.whole_model.expert_row_bytes``); the recomputes of the layer's attention
+(``testbed.model.whole_model.expert_row_bytes``); the recomputes of the layer's attention
 and dense layers are its block's (``sim.hardware.dense_layers``), the shared experts'
 theirs (``sim.hardware.shared_experts``). ``moe_act`` recomputes each row's activation
 inside the experts' backward (its elements read and written at the memory bandwidth,
@@ -92,15 +92,9 @@ from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy,
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
-from testbed.policy.collectives import CollectiveOp
-from testbed.policy.distributed_optimizer import split_param_gathers
-from testbed.policy.expert_tensor_parallel import expert_slice_shape, expert_zero_shards
-from testbed.policy.fp8_casts import linears_copy_bytes
-from testbed.policy.page_moves import GPU, HOST
-from testbed.policy.pager_pool import MovesByRank
-from testbed.policy.recompute_modules import LayerRecompute
-from testbed.policy.step_decisions import LayerForward, SyncPlan
-from testbed.policy.whole_model import (
+from testbed.model.fp8_casts import linears_copy_bytes
+from testbed.model.recompute_modules import LayerRecompute
+from testbed.model.whole_model import (
     block_grad_bytes,
     expert_row_bytes,
     expert_row_elements,
@@ -111,6 +105,12 @@ from testbed.policy.whole_model import (
     shared_expert_grad_bytes,
     zero_shards,
 )
+from testbed.policy.collectives import CollectiveOp
+from testbed.policy.distributed_optimizer import split_param_gathers
+from testbed.policy.expert_tensor_parallel import expert_slice_shape, expert_zero_shards
+from testbed.policy.page_moves import GPU, HOST
+from testbed.policy.pager_pool import MovesByRank
+from testbed.policy.step_decisions import LayerForward, SyncPlan
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 
@@ -134,7 +134,7 @@ class PhaseBuilder:
                  scale_fitted: bool = False, sm_count: int = 0,
                  op_seconds: Callable[[list[CollectiveOp]], np.ndarray] | None = None,
                  model: Scenario | None = None, pipeline_stage: bool = False):
-        """``scenario``: the controller's (its MoE layers, ``testbed.policy.mtp_layers``);
+        """``scenario``: the controller's (its MoE layers, ``testbed.model.mtp_layers``);
         ``model``: the model's, when that is not ``scenario`` (MTP modules; the dense work's
         figures are the model's, ``sim.hardware.dense_layers``); ``copy_overlap``: the
         profile's ``copy.overlap`` (``sim.step.phases``); ``copy_time(h2d, d2h, pages)``:
@@ -264,7 +264,7 @@ class PhaseBuilder:
     def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
         """[W] bytes an MoE layer's forward keeps for its backward: its input and, per
         expert row, the expert's input, first GEMM's output and output
-        (``testbed.policy.whole_model.expert_row_elements``; with full recompute, the input
+        (``testbed.model.whole_model.expert_row_elements``; with full recompute, the input
         only; with recompute modules less what they free, ``row_bytes``). The shared
         experts' are ``SharedExperts.activation_bytes``."""
         m = self.s.model

@@ -1,4 +1,4 @@
-"""``testbed model SPEC``: a model's card (``testbed.policy.model_card``): total and active
+"""``testbed model SPEC``: a model's card (``testbed.model.model_card``): total and active
 parameters by component, forward FLOPs per token, Megatron-LM's FLOPs per token, the
 dispatch bytes of a token and the weight bytes of one routed expert. SPEC is a preset
 name (``--list``), a Hugging Face config.json, or a scenario TOML.
@@ -10,7 +10,7 @@ import json
 
 from testbed.core.errors import ScenarioError
 from testbed.core.units import format_bytes
-from testbed.policy.model_card import COMPONENTS, ModelCard, model_card
+from testbed.model.model_card import COMPONENTS, ModelCard, model_card
 from testbed.scenario.file import load_scenario
 from testbed.scenario.presets import PRESETS_DIR, preset_names
 from testbed.scenario.scenario import Scenario

@@ -68,9 +68,9 @@ from __future__ import annotations
 import numpy as np
 
 from testbed.layout.process_groups import data_parallel_size, orthogonal_groups
+from testbed.model.transformer_shape import attention_core_flops
+from testbed.model.whole_model import shape_of
 from testbed.policy.collectives import CollectiveOp
-from testbed.policy.transformer_shape import attention_core_flops
-from testbed.policy.whole_model import shape_of
 from testbed.scenario.scenario import Scenario
 
 FORWARD_LABEL = "context parallel, K and V"

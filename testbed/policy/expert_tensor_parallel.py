@@ -44,8 +44,8 @@ from dataclasses import replace
 import numpy as np
 
 from testbed.core.errors import ScenarioError
+from testbed.model.transformer_shape import TransformerShape
 from testbed.policy.collectives import CollectiveOp
-from testbed.policy.transformer_shape import TransformerShape
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 

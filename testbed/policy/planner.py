@@ -83,13 +83,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.model.whole_model import block_grad_bytes
 from testbed.policy import deepep
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.context_parallel import ContextParallelOps
 from testbed.policy.distributed_optimizer import check_distributed_optimizer, gradient_sum_ops, reduced_bytes
 from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel, etp_token_ops, with_etp_ops
 from testbed.policy.tensor_parallel_ops import TensorParallelOps
-from testbed.policy.whole_model import block_grad_bytes
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 
@@ -343,7 +343,7 @@ class Planner:
 
     def layer_grad_bytes(self, layer: int) -> int:
         """Bytes of ``layer``'s gradients that all ranks sum: its router's, and with the
-        whole transformer its block's (``testbed.policy.whole_model.block_grad_bytes``)."""
+        whole transformer its block's (``testbed.model.whole_model.block_grad_bytes``)."""
         return self.router_grad_bytes + block_grad_bytes(self.s, layer)
 
     def grad_buckets(self) -> list[list[int]]:

@@ -18,9 +18,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from testbed.core.stages import STAGES
-from testbed.policy.megatron_flops import megatron_flops, padded_vocab_size
-from testbed.policy.published_conversion import tflops_per_gpu_from_flops
-from testbed.policy.whole_model import mfu, moe_stack_step_flops, shape_of
+from testbed.model.megatron_flops import megatron_flops, padded_vocab_size
+from testbed.model.published_conversion import tflops_per_gpu_from_flops
+from testbed.model.whole_model import mfu, moe_stack_step_flops, shape_of
 from testbed.scenario.topology import LEVELS
 
 
@@ -101,16 +101,16 @@ def summarize(records: list[StepRecord], warmup_steps: int, **fields) -> dict:
 
 
 def throughput(scenario, records: list[StepRecord], step_time_s: float | None, peak_flops: float | None) -> dict:
-    """Tokens per second per GPU and MFU of a run (``testbed.policy.whole_model``): the model
+    """Tokens per second per GPU and MFU of a run (``testbed.model.whole_model``): the model
     FLOPs of a step - the whole transformer's (``transformer.enabled``), else a mean
     measured step of the MoE stack's kept slots - over its median step time x GPUs x
     ``peak_flops`` (one GPU's, for the model's dtype; None: no MFU).
 
     With the whole transformer, also Megatron-LM's figures in the unit papers publish
-    (issue 26, item 3): ``megatron_flops_per_step``, ``testbed.policy.megatron_flops`` of
+    (issue 26, item 3): ``megatron_flops_per_step``, ``testbed.model.megatron_flops`` of
     the step's tokens in sequences of ``transformer.seq_len``, the vocabulary padded to
     128 x ``tp_size`` as Megatron pads it, and ``megatron_tflops_per_gpu``, those FLOPs /
-    (step time x 1e12 x GPUs) (``testbed.policy.published_conversion``). The two counts
+    (step time x 1e12 x GPUs) (``testbed.model.published_conversion``). The two counts
     differ: both take 3 x the forward without recompute and half of a causal sequence's
     scores, but Megatron leaves out the routers' (2 H E a token and MoE layer) and the
     shared-expert gates' GEMMs, counts a sliding-window layer as attending the whole

@@ -25,7 +25,7 @@ from real.backend import RealBackend
 from real.rank.mtp import tokens_ahead
 from real.rank.reference import reference_run
 from testbed.core.errors import ScenarioError
-from testbed.policy.mtp_layers import controller_scenario
+from testbed.model.mtp_layers import controller_scenario
 from testbed.scenario.scenario import Scenario
 
 

@@ -1,5 +1,5 @@
 """The real backend's model holds the parameters the model card counts
-(``testbed.policy.model_card``), component by component, for the features of the models
+(``testbed.model.model_card``), component by component, for the features of the models
 people train: SwiGLU, shared experts and their gate, dense-first layers, a head dimension
 of its own, attention biases, MLA (with and without a query latent) and MTP modules; the
 simulator's memory breakdown is drawn from those counts.
@@ -15,9 +15,9 @@ import torch
 from real.rank.dense_model import DenseModel
 from real.rank.rank_state import initial_expert_flat, initial_router
 from real.rank.shared_experts import SharedExperts
-from testbed.policy.model_card import param_count
-from testbed.policy.mtp_layers import controller_scenario, mtp_modules
-from testbed.policy.whole_model import shape_of
+from testbed.model.model_card import param_count
+from testbed.model.mtp_layers import controller_scenario, mtp_modules
+from testbed.model.whole_model import shape_of
 from testbed.scenario.file import load_scenario
 from testbed.scenario.scenario import Scenario
 

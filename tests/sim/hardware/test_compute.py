@@ -85,7 +85,7 @@ def test_dense_gemms_and_the_router_gate_are_timed_at_the_dense_curve(tmp_path):
     """Dense GEMMs (attention projections, dense FFNs, the head) and the router's gate are
     timed at compute.efficiency.dense, not at the expert grouped-GEMM curve."""
     from sim.hardware.dense_layers import DenseLayers
-    from testbed.policy.whole_model import attention_core_flops, shape_of
+    from testbed.model.whole_model import attention_core_flops, shape_of
     from testbed.scenario.profile import save_profile
     from testbed.scenario.scenario import Scenario
 

@@ -14,8 +14,8 @@ import pytest
 from sim.backend import SimBackend
 from sim.pipeline.dualpipe import PARAMETER_COPIES, dualpipe_order
 from testbed.core.errors import ScenarioError
+from testbed.model.whole_model import shape_of
 from testbed.policy.pipeline_stages import PipelineStages, stage_cluster
-from testbed.policy.whole_model import shape_of
 from testbed.run import features
 from testbed.run.runner import run_scenario
 from testbed.scenario.profile import load_profile, profile_from_dict, save_profile

@@ -12,8 +12,8 @@ from sim.backend import ClusterSim, decide_step, routing_source
 from sim.hardware.compute import ComputeModel
 from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
+from testbed.model.whole_model import layer_activation_bytes, shape_of
 from testbed.policy.context_parallel import is_ring_batch, kv_block_bytes
-from testbed.policy.whole_model import layer_activation_bytes, shape_of
 from testbed.scenario.profile import load_profile
 from testbed.scenario.scenario import Scenario
 

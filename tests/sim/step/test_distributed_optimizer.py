@@ -16,10 +16,10 @@ from sim.hardware.compute import ComputeModel
 from sim.step.schedule import run_analytic
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import BACKWARD
+from testbed.model.whole_model import shape_of
 from testbed.policy.collectives import ByteLedger
 from testbed.policy.distributed_optimizer import is_param_gather
 from testbed.policy.planner import Planner, packed_bytes
-from testbed.policy.whole_model import shape_of
 from testbed.run.features import check_features
 from testbed.run.results import summarize
 from testbed.run.runner import run_scenario

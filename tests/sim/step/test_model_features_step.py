@@ -11,8 +11,8 @@ import pytest
 
 from sim.backend import ClusterSim, SimBackend
 from testbed.core.errors import ScenarioError
-from testbed.policy.model_card import param_count
-from testbed.policy.whole_model import shape_of
+from testbed.model.model_card import param_count
+from testbed.model.whole_model import shape_of
 from testbed.run.runner import run_scenario
 from testbed.scenario.profile import load_profile, profile_from_dict, save_profile
 from testbed.scenario.scenario import Scenario
@@ -194,7 +194,7 @@ def test_fp8_gemms_need_an_fp8_ceiling():
 
 def test_an_mtp_module_is_one_more_moe_layer_and_one_more_head(flat):
     """One MTP module after the last MoE layer is MoE layer 2 of the controller's
-    (``testbed.policy.mtp_layers``): its block is its projection 2H x H and its attention
+    (``testbed.model.mtp_layers``): its block is its projection 2H x H and its attention
     over the whole sequence, its MoE FFN the router and the experts on the rows routed to
     them (T k on the one GPU, as each of the model's two layers), and the shared head runs
     once more."""

@@ -15,9 +15,9 @@ import pytest
 from sim.backend import ClusterSim, SimBackend, routing_source
 from sim.step.memory_breakdown import memory_breakdown
 from testbed.core.errors import ScenarioError
-from testbed.policy.mtp_layers import controller_scenario
-from testbed.policy.recompute_modules import LayerRecompute
-from testbed.policy.whole_model import shape_of
+from testbed.model.mtp_layers import controller_scenario
+from testbed.model.recompute_modules import LayerRecompute
+from testbed.model.whole_model import shape_of
 from testbed.run import features
 from testbed.run.runner import run_scenario
 from testbed.scenario.file import load_scenario

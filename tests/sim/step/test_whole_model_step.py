@@ -10,7 +10,7 @@ from real.backend import RealBackend
 from sim.backend import SimBackend
 from sim.hardware.compute import ComputeModel
 from testbed.core.errors import ScenarioError
-from testbed.policy.whole_model import activation_bytes_per_layer, block_grad_bytes, shape_of
+from testbed.model.whole_model import activation_bytes_per_layer, block_grad_bytes, shape_of
 from testbed.run.results import summarize
 from testbed.run.runner import run_scenario
 from testbed.scenario.profile import load_profile

@@ -9,6 +9,7 @@ import pytest
 
 from testbed.core.errors import ScenarioError
 from testbed.layout.process_groups import build_process_groups, groups_of_kind
+from testbed.model.transformer_shape import attention_core_flops
 from testbed.policy.collectives import ByteLedger
 from testbed.policy.context_parallel import (
     attended_pairs,
@@ -18,7 +19,6 @@ from testbed.policy.context_parallel import (
     local_positions,
 )
 from testbed.policy.planner import Planner
-from testbed.policy.transformer_shape import attention_core_flops
 from testbed.scenario.scenario import Scenario
 from testbed.scenario.topology import Layout
 

@@ -1,6 +1,6 @@
 """Every run with the whole transformer reports its TFLOP/s per GPU in Megatron-LM's count
 (testbed.run.results.throughput, issue 26 item 3): the step's tokens through
-testbed.policy.megatron_flops, over step time x 1e12 x GPUs as Megatron's training_log
+testbed.model.megatron_flops, over step time x 1e12 x GPUs as Megatron's training_log
 divides; the printed summary shows it; the MoE stack alone has none."""
 
 from pathlib import Path
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from testbed.cli.main import format_summary
-from testbed.policy.megatron_flops import megatron_flops, padded_vocab_size
-from testbed.policy.whole_model import shape_of
+from testbed.model.megatron_flops import megatron_flops, padded_vocab_size
+from testbed.model.whole_model import shape_of
 from testbed.run.results import StepRecord, throughput
 from testbed.run.runner import run_scenario
 from testbed.scenario.file import load_scenario

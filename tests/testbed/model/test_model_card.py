@@ -1,4 +1,4 @@
-"""The closed forms of the models people train (testbed/policy/transformer_shape.py,
+"""The closed forms of the models people train (testbed/model/transformer_shape.py,
 model_card.py, megatron_flops.py) against the published figures: total and active parameters
 of each preset within 1% of its model card (or, where the card gives two digits that 1% does
 not reach, within the card's rounding), gpt-oss's parameter table to its digits, Megatron-LM's
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed.policy.megatron_flops import megatron_flops, megatron_flops_per_token, padded_vocab_size
-from testbed.policy.model_card import model_card, param_count
-from testbed.policy.transformer_shape import TransformerShape, attended_keys
-from testbed.policy.whole_model import shape_of
+from testbed.model.megatron_flops import megatron_flops, megatron_flops_per_token, padded_vocab_size
+from testbed.model.model_card import model_card, param_count
+from testbed.model.transformer_shape import TransformerShape, attended_keys
+from testbed.model.whole_model import shape_of
 from testbed.scenario.scenario import Scenario
 
 CONFIGS = Path(__file__).parents[1] / "scenario" / "hf_configs"

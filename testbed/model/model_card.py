@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from testbed.policy.megatron_flops import megatron_flops_per_token
-from testbed.policy.transformer_shape import TransformerShape
-from testbed.policy.whole_model import shape_of
+from testbed.model.megatron_flops import megatron_flops_per_token
+from testbed.model.transformer_shape import TransformerShape
+from testbed.model.whole_model import shape_of
 
 #: the components parameters are counted in, in print order
 COMPONENTS = ("embedding", "head", "attention", "dense_ffn", "routed_experts", "shared_experts", "routers",

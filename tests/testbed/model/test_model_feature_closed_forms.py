@@ -7,10 +7,10 @@ activations, fp8's casts and copies, and the gradients the dense sync sums."""
 import numpy as np
 import pytest
 
-from testbed.policy import fp8_casts
-from testbed.policy.mtp_layers import controller_scenario, mtp_block_params
-from testbed.policy.transformer_shape import TransformerShape
-from testbed.policy.whole_model import (
+from testbed.model import fp8_casts
+from testbed.model.mtp_layers import controller_scenario, mtp_block_params
+from testbed.model.transformer_shape import TransformerShape
+from testbed.model.whole_model import (
     activation_bytes_per_layer,
     block_grad_bytes,
     expert_row_elements,

@@ -1,8 +1,8 @@
 """The shape of one transformer and its per-layer closed forms: the parameters and forward
 FLOPs per token of each layer's attention, dense FFN, routed and shared experts and
 router, of the embedding and head, the norms and the multi-token-prediction modules.
-``testbed.policy.whole_model`` builds a step's figures (memory, MFU) on it and
-``testbed.policy.model_card`` a model's totals; the simulator reads the per-layer figures.
+``testbed.model.whole_model`` builds a step's figures (memory, MFU) on it and
+``testbed.model.model_card`` a model's totals; the simulator reads the per-layer figures.
 
 The formulas and their sources:
 
@@ -35,7 +35,7 @@ The formulas and their sources:
 - The GEMMs' shapes (``attention_linears``, ``ffn_linears``: one per Megatron-Core
   Linear, SwiGLU's gate and up fused) and the activations a layer keeps per token
   beyond its input (``attention_activation_elements``, ``mla_up_proj_elements``,
-  ``ffn_activation_elements``), which ``testbed.policy.whole_model`` turns into bytes.
+  ``ffn_activation_elements``), which ``testbed.model.whole_model`` turns into bytes.
 - FLOPs, forward, per token: 2 per multiply-add of every matrix weight the token meets
   (the input embedding is a lookup: none; biases and norms: none, as Megatron-LM
   counts), plus attention's core: 2 x 2 x keys x n d (QK^T and the weighted values; MLA:

@@ -6,7 +6,7 @@ are written once. The formulas and their sources:
 
 - The transformer's shape, its parameters and forward FLOPs per token, layer by layer
   (attention: GQA or MLA; SwiGLU or gelu FFNs; routed and shared experts; sliding
-  windows; MTP): ``testbed.policy.transformer_shape`` (``TransformerShape``, re-exported
+  windows; MTP): ``testbed.model.transformer_shape`` (``TransformerShape``, re-exported
   here). A step is 3 x the forward (the backward is twice it); full recompute adds one
   forward more. So a dense transformer step is ~6 x parameters x tokens (Kaplan et al.
   2020, "Scaling laws for neural language models", §2.1).
@@ -30,7 +30,7 @@ are written once. The formulas and their sources:
   ``expert_row_elements``; its shared experts' are ``sim.hardware.shared_experts``'.
 - Megatron-Core's recompute by module (``--recompute-modules``, issue 25 item 6;
   ``transformer.recompute_modules``, ``recompute_modules_of``): each of those figures less
-  what the modules save of it, byte for byte as ``testbed.policy.recompute_modules``
+  what the modules save of it, byte for byte as ``testbed.model.recompute_modules``
   (``LayerRecompute``) counts the tensors each frees (``recompute_savings``: the layer's
   own tensors per token, the expert rows' per row, the shared experts' per token). The
   figures above are not Megatron-Core's tensors (an expert row here keeps its input, first
@@ -43,7 +43,7 @@ are written once. The formulas and their sources:
   never counted the tensor (``core_attn`` frees flash attention's softmax statistics,
   4 n bytes a token, which ``layer_activation_bytes`` leaves out; ``moe`` the router's
   scores and map). Without modules every figure is what it was before (the same floats).
-- FP8 GEMMs' casts and weight copies: ``testbed.policy.fp8_casts``.
+- FP8 GEMMs' casts and weight copies: ``testbed.model.fp8_casts``.
 - The 1F1B pipeline bubble: (p - 1) / (m + p - 1) of the step for p stages and m
   micro-batches; interleaved with v model chunks per stage, (p - 1) / (v m + p - 1)
   (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters
@@ -56,9 +56,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from testbed.policy.mtp_layers import mtp_block_params, mtp_modules
-from testbed.policy.recompute_modules import LayerRecompute
-from testbed.policy.transformer_shape import TransformerShape, attention_core_flops
+from testbed.model.mtp_layers import mtp_block_params, mtp_modules
+from testbed.model.recompute_modules import LayerRecompute
+from testbed.model.transformer_shape import TransformerShape, attention_core_flops
 
 __all__ = ["ADAM_MIXED_BYTES", "SHARED_EXPERT_TENSORS", "RecomputeSavings", "TransformerShape",
            "activation_bytes_per_layer", "attention_core_flops", "block_grad_bytes", "bubble_fraction",
@@ -170,7 +170,7 @@ class RecomputeSavings:
 def recompute_savings(shape: TransformerShape, moe: bool, modules, seq_len: int = 1, dtype_bytes: int = 2,
                       tp: int = 1, sequence_parallel: bool = False, flash: bool = True) -> RecomputeSavings:
     """What ``modules`` free of one layer of ``shape`` (``moe``: an MoE layer) on sequences
-    of ``seq_len`` in a dtype of ``dtype_bytes`` (``testbed.policy.recompute_modules``:
+    of ``seq_len`` in a dtype of ``dtype_bytes`` (``testbed.model.recompute_modules``:
     ``LayerRecompute``'s tensors with Transformer Engine's fused norms and dropout, as the
     Korthikanti layer here keeps its masks): each freed tensor's bytes in the part it
     belongs to, split as ``LayerRecompute.kept_bytes`` splits them (over ``tp``; whole
@@ -273,7 +273,7 @@ def shared_expert_grad_bytes(scenario) -> int:
 
 def block_grad_bytes(scenario, layer: int) -> int:
     """Bytes of the gradients of MoE layer ``layer``'s block besides its router, on one
-    GPU, ``scenario`` the controller's (``testbed.policy.mtp_layers.controller_scenario``:
+    GPU, ``scenario`` the controller's (``testbed.model.mtp_layers.controller_scenario``:
     the model's, and with D MTP modules its last D MoE layers theirs): with the whole
     transformer (1/tp of them under tensor parallelism) its attention and dense FFNs (an
     MTP module's MoE layer none), with layer 0 the dense-first layers'

@@ -1,12 +1,12 @@
 """Published throughput figures converted to step times and back in Megatron-LM's unit
-(testbed/policy/published_conversion.py), checked by hand on the figures of
+(testbed/model/published_conversion.py), checked by hand on the figures of
 docs/published.md: the MoE Parallel Folding paper's Mixtral-8x22B (arXiv 2504.14960,
 Tables 2 and 3) and Megatron-Bridge's Qwen3-30B-A3B (docs/performance-summary.md, 25.09)."""
 
 import pytest
 
-from testbed.policy.megatron_flops import megatron_flops_per_token
-from testbed.policy.published_conversion import (
+from testbed.model.megatron_flops import megatron_flops_per_token
+from testbed.model.published_conversion import (
     implied_flops_per_token,
     mfu_from_tflops,
     step_time_from_mfu,
@@ -16,7 +16,7 @@ from testbed.policy.published_conversion import (
     tflops_per_gpu,
     tokens_per_s_per_gpu,
 )
-from testbed.policy.whole_model import shape_of
+from testbed.model.whole_model import shape_of
 from testbed.scenario.scenario import Scenario
 
 #: the H100's dense bf16 peak the folding paper's MFU divides by (TFLOP/s)

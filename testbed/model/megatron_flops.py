@@ -23,13 +23,13 @@ batch x seq_len^2 for the attention core):
   for its norms and projection, and one more head;
 - the head: 3 x 2 x H x V_padded x (MTP modules + 1); the embedding is free.
 
-``testbed.policy.transformer_shape`` counts the same model its own way (sliding windows'
+``testbed.model.transformer_shape`` counts the same model its own way (sliding windows'
 bands, routers, gates); where the two differ is what Megatron leaves out.
 """
 
 from __future__ import annotations
 
-from testbed.policy.transformer_shape import TransformerShape
+from testbed.model.transformer_shape import TransformerShape
 
 #: Megatron-LM's --make-vocab-size-divisible-by default
 VOCAB_MULTIPLE = 128

@@ -1,4 +1,4 @@
-"""Megatron-Core's recompute by module (testbed/policy/recompute_modules.py) with hand
+"""Megatron-Core's recompute by module (testbed/model/recompute_modules.py) with hand
 numbers: the bytes per token each tensor of a layer takes (bf16: 2 bytes an element, masks
 1, fp32 statistics 4), what each module's recompute saves, what is left with every module,
 the work each runs again, against whole_model's layer_activation_bytes; DeepSeek-V3's shape
@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from testbed.core.errors import ScenarioError
-from testbed.policy.recompute_modules import RECOMPUTE_MODULES, LayerRecompute, check_recompute_modules
-from testbed.policy.transformer_shape import TransformerShape
-from testbed.policy.whole_model import layer_activation_bytes, shape_of
+from testbed.model.recompute_modules import RECOMPUTE_MODULES, LayerRecompute, check_recompute_modules
+from testbed.model.transformer_shape import TransformerShape
+from testbed.model.whole_model import layer_activation_bytes, shape_of
 from testbed.scenario.scenario import Scenario
 
 #: H 64, 4 heads of 16, SwiGLU dense FFN of 128; layer 0 dense, layer 1 MoE: 8 experts of 32, top 2,

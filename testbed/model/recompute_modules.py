@@ -88,7 +88,7 @@ modules whose recompute frees it, none: kept whatever is recomputed):
 - with dropout, ``mlp_bda_mask`` H bytes. None.
 - Left out: the norms' fp32 statistics (1 per token and norm), RNG states.
 
-Against ``testbed.policy.whole_model.layer_activation_bytes`` (the simulator's figure): a
+Against ``testbed.model.whole_model.layer_activation_bytes`` (the simulator's figure): a
 dense-FFN layer's tensors are its own, plus ``softmax_stats`` (4 n bytes per token, which
 it leaves out). An MoE layer there keeps Korthikanti's standard FFN term (8 H elements,
 split) where these keep the router's and shared experts' tensors, and its expert rows
@@ -114,7 +114,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from testbed.core.errors import ScenarioError
-from testbed.policy.transformer_shape import TransformerShape
+from testbed.model.transformer_shape import TransformerShape
 
 FIELD = "transformer.recompute_modules"
 

@@ -5,7 +5,7 @@ Megatron-LM logs "throughput per GPU (TFLOP/s/GPU)" as
 ``num_floating_point_operations(args, batch_size) / (elapsed_time_per_iteration * 10**12 *
 args.world_size)`` (``training_log`` in ``megatron/training/training.py``, commit
 d98e8a64ddf34856e74b24714e3bedb2f5a39553, line 3550), ``batch_size`` the global batch in
-sequences; the FLOPs are ``testbed.policy.megatron_flops``' (forward and backward, no
+sequences; the FLOPs are ``testbed.model.megatron_flops``' (forward and backward, no
 recompute, causal attention's half of the scores). So, with F the step's Megatron FLOPs,
 G GPUs and t the step time in seconds:
 
@@ -22,8 +22,8 @@ FLOPs per step or per token as counted (floats).
 
 from __future__ import annotations
 
-from testbed.policy.megatron_flops import megatron_flops
-from testbed.policy.transformer_shape import TransformerShape
+from testbed.model.megatron_flops import megatron_flops
+from testbed.model.transformer_shape import TransformerShape
 
 TERA = 1e12  # FLOP/s in a TFLOP/s
 

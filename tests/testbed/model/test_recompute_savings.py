@@ -1,5 +1,5 @@
 """What the simulator's activation figures lose under Megatron-Core's recompute modules
-(testbed/policy/whole_model.py: ``recompute_savings``, ``layer_activation_bytes``'
+(testbed/model/whole_model.py: ``recompute_savings``, ``layer_activation_bytes``'
 ``recompute_modules``, ``expert_row_bytes``, ``recompute_modules_of``), by hand on
 tests/testbed/policy/test_recompute_modules.py's small shape and DeepSeek-V3's MLA."""
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from testbed.policy.recompute_modules import RECOMPUTE_MODULES, LayerRecompute
-from testbed.policy.transformer_shape import TransformerShape
-from testbed.policy.whole_model import (
+from testbed.model.recompute_modules import RECOMPUTE_MODULES, LayerRecompute
+from testbed.model.transformer_shape import TransformerShape
+from testbed.model.whole_model import (
     expert_row_bytes,
     layer_activation_bytes,
     recompute_modules_of,

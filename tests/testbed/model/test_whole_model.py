@@ -1,11 +1,11 @@
-"""Closed forms of a whole transformer's step (testbed/policy/whole_model.py): about 6 x
+"""Closed forms of a whole transformer's step (testbed/model/whole_model.py): about 6 x
 parameters x tokens FLOPs for a dense training step, 16 bytes per parameter for
 mixed-precision Adam (and ZeRO's shards of it), the 1F1B bubble (p - 1) / (m + p - 1),
 activation bytes per layer as Korthikanti et al. give them, and MFU."""
 
 import pytest
 
-from testbed.policy.whole_model import (
+from testbed.model.whole_model import (
     TransformerShape,
     activation_bytes_per_layer,
     bubble_fraction,

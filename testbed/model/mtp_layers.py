@@ -13,12 +13,12 @@ as every MoE layer's, on the real ranks (``real.rank.mtp``) and in the simulator
 route) is module d's projection and attention sublayer.
 
 The dense model's figures (parameters, FLOPs, MFU, the model card) stay on the model's
-scenario, which counts the MTP modules once each (``testbed.policy.whole_model.shape_of``).
+scenario, which counts the MTP modules once each (``testbed.model.whole_model.shape_of``).
 """
 
 from __future__ import annotations
 
-from testbed.policy.transformer_shape import TransformerShape
+from testbed.model.transformer_shape import TransformerShape
 from testbed.scenario.scenario import Scenario
 
 
