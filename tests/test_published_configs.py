@@ -36,8 +36,7 @@ PUBLISHED = ROOT / "configs" / "published"
 FILES = sorted(p.name for p in PUBLISHED.glob("*.toml"))
 
 #: file -> the field it is refused for at load today: DeepSeek-V3's sequence-wise balance loss with each
-#: sequence split over a TP pair (testbed/scenario/scenario.py, _check_sequences); past it, the simulator
-#: refuses MLA, dense-first layers, MTP and shared experts under TP 2 (sim/hardware/model_support.py)
+#: sequence split over a TP pair (testbed/scenario/scenario.py, _check_sequences)
 REFUSED_AT_LOAD = {
     "deepseek-v3-1024-h100.toml": "router.seq_aux_loss_coef",
 }
@@ -49,10 +48,6 @@ MEGASCALE = [f"megascale-352b-{gpus}-h800-{layout}.toml" for gpus in (240, 480, 
 #: layouts without folding (moe_layout = nested, etp_size = tp_size) run where the simulator models expert
 #: TP (testbed/run/features.py), else they are refused for parallelism.etp_size
 REFUSED_BY_SIM = {
-    # shared experts under tensor parallelism (sim/hardware/model_support.py)
-    "qwen2-57b-64-h100-mcore.toml": "model.shared_experts",
-    "qwen2-57b-64-h100-folded.toml": "model.shared_experts",
-    **{name: "model.shared_experts" for name in MEGASCALE if name.endswith("-megatron.toml")},
     # Ulysses attention (issue 25, item 7)
     **{name: "parallelism.attention_parallel" for name in MEGASCALE if name.endswith("-megascale.toml")},
 }
@@ -63,8 +58,6 @@ REFUSED_BY_SIM = {
 #: expert weight copies counted once per micro-batch in flight (Mixtral-8x22B folded: 42.7 -> 60.5 GiB)
 OVER_MEMORY = {
     "deepseek-v3-2048-h800.toml",
-    "mixtral-8x22b-128-h100-folded-fp8.toml",
-    "mixtral-8x22b-128-h100-mcore-fp8.toml",
     "qwen3-235b-256-h100.toml",
     "qwen3-30b-16-h100.toml",
 }

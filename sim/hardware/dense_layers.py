@@ -58,7 +58,13 @@ without it the group's tokens are replicated inside the blocks (eq. 4 on the gro
 sequences: 10 s b H whole, 24 s b H / t). The collectives are
 ``testbed.policy.tensor_parallel_ops``'s, chained after the block's compute (not overlapped).
 The dense gradients are summed over the GPUs with the same tensor-parallel index
-(``Planner.dense_sync_ops``). Pipeline parallelism is ``sim.pipeline.run``'s.
+(``Planner.dense_sync_ops``). The dense-first layers and the MTP modules split as every
+layer (their collectives ``tensor_parallel_ops``'). MLA (with sequence parallelism, as
+Megatron-Core runs it: ``megatron/core/transformer/multi_latent_attention.py`` @ d98e8a64)
+splits its up and output projections by heads and runs its down projections whole on each
+GPU's own rows, the same FLOPs per GPU as the rest; their weights are whole on every GPU
+(``testbed.model.whole_model.mla_down_projection_params``) and their gradients summed over
+the tensor-parallel group too (``Planner.replicated_grad_ops``). Pipeline parallelism is ``sim.pipeline.run``'s.
 
 Context parallelism (``parallelism.cp_size`` CP, ``testbed.policy.context_parallel``): a GPU
 holds seq_len / CP rows of each of its CP group's sequences (chunks r and 2 CP - 1 - r), so
@@ -84,7 +90,12 @@ from testbed.model.fp8_casts import linears_copy_bytes
 from testbed.model.mtp_layers import mtp_block_params, mtp_modules
 from testbed.model.recompute_modules import LayerRecompute, RecomputeWork
 from testbed.model.transformer_shape import attention_core_flops
-from testbed.model.whole_model import layer_activation_bytes, recompute_modules_of, shape_of
+from testbed.model.whole_model import (
+    layer_activation_bytes,
+    mla_down_projection_params,
+    recompute_modules_of,
+    shape_of,
+)
 from testbed.scenario.scenario import Scenario
 
 #: the recompute modules of a layer's attention and dense FFN, recomputed before its block's
@@ -167,8 +178,11 @@ class DenseLayers:
         self.head_activation_bytes = (1 + mtp) * tokens * t.vocab_size * m.dtype_bytes
         self.head_held_bytes = self.head_activation_bytes
         #: parameters a rank holds besides its experts, shared experts and routers: 1/tp of attention,
-        #: dense FFNs, embeddings and the MTP modules' projections and attentions
-        self.dense_params = (shape.dense_params + mtp * mtp_block_params(shape)) // p.tp_size
+        #: dense FFNs, embeddings and the MTP modules' projections and attentions, MLA's down projections whole
+        # MLA's down projections whole on every GPU (Megatron-Core's "duplicated" linears), one per attention
+        replicated = (shape.layers + mtp) * mla_down_projection_params(shape)
+        self.dense_params = (shape.dense_params + mtp * mtp_block_params(shape) - replicated) // p.tp_size \
+            + replicated
         #: the routers' weights and biases of every MoE layer the controller plans (whole on every rank, fp32)
         self.router_params = (shape.moe_layers + mtp) * (h * shape.experts + shape.experts)
         self.param_bytes = self.dense_params * m.dtype_bytes  # the routers' are the phase builder's router_grad_bytes

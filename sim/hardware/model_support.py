@@ -11,12 +11,11 @@ field were absent (``testbed.run.features`` says which features it models at all
   without MLA, ``shared_experts`` under the shared-expert overlap (``overlap.shared_experts``),
   ``moe_act`` or ``layernorm`` with fp8's tensor (delayed) scaling. ``moe`` is refused by
   Megatron-Core only beside its EP all-to-all overlap, which the testbed does not have;
-- under tensor parallelism (``parallelism.tp_size`` > 1), the features whose collectives
-  ``testbed.policy.tensor_parallel_ops`` does not plan: shared experts (split, they
-  would need the group's tokens; whole, their gradients would be summed over all ranks,
-  not over a shard's peers as the planner's tensor-parallel buckets do), the dense-first
-  layers and the MTP modules (their attention's and FFN's collectives), and MLA (its
-  down projections are not split over the ranks in Megatron-Core, unlike the heads).
+- MLA under tensor parallelism without sequence parallelism: Megatron-Core's down
+  projections then run on the group's replicated rows, and the planner plans MLA's
+  collectives with sequence parallelism only (``testbed.policy.tensor_parallel_ops``).
+  Shared experts, dense-first layers and MTP modules under tensor parallelism are
+  modelled (their collectives ``tensor_parallel_ops``').
 """
 
 from __future__ import annotations
@@ -39,18 +38,10 @@ def check_model_support(scenario: Scenario, profile: MachineProfile) -> None:
     tp = s.parallelism.tp_size
     if tp <= 1:
         return
-    why = f"with parallelism.tp_size = {tp}: the simulator does not plan its tensor-parallel collectives"
-    if m.shared_experts:
-        raise ScenarioError("model.shared_experts", m.shared_experts, why)
-    if t.enabled:
-        for name in ("first_dense_layers", "mtp_layers"):
-            if getattr(t, name):
-                raise ScenarioError(f"transformer.{name}", getattr(t, name), why)
-        if t.attention == "mla":
-            raise ScenarioError("transformer.attention", t.attention, f"with parallelism.tp_size = {tp}: MLA's "
-                                "down projections are not split over tensor-parallel ranks; the simulator models "
-                                "MLA at tp_size 1")
-
+    if t.enabled and t.attention == "mla" and not s.parallelism.sequence_parallel:
+        raise ScenarioError("transformer.attention", t.attention, f"with parallelism.tp_size = {tp} and "
+                            "sequence_parallel = false: the simulator models MLA's tensor parallelism with sequence "
+                            "parallelism (its down projections on each GPU's own rows)")
 
 def check_recompute(scenario: Scenario) -> None:
     """Raise ``ScenarioError`` naming ``transformer.recompute_modules`` for modules the

@@ -27,16 +27,30 @@ Per MoE layer, on the rank's ``workload.tokens_per_rank`` tokens T (the closed f
   with the dense ones, ``testbed.model.whole_model.block_grad_bytes``), in the model
   dtype; with fp8 GEMMs their fp8 copies while the layer's forward and backward run.
 
-Tensor parallelism would split them and need collectives the planner does not plan:
-the simulator refuses shared experts with ``parallelism.tp_size`` > 1
-(``sim.hardware.model_support``).
+Tensor parallelism (``parallelism.tp_size`` t > 1): Megatron-Core's SharedExpertMLP is an
+MLP split as a dense FFN (column-parallel fc1, row-parallel fc2;
+``megatron/core/transformer/moe/shared_experts.py`` @ d98e8a64) on the group's t T rows,
+whose collectives are ``testbed.policy.tensor_parallel_ops``' (``shared_expert_parts``,
+timed with the block's). Per GPU: the same FLOPs (t T rows over 1/t of the columns), 1/t
+of their weights, gradients and fp8 copies and the whole gate
+(``testbed.model.whole_model.shared_expert_params_per_gpu``; their gradients summed with
+the dense ones over the GPUs of one tensor-parallel index); the activations above with
+sequence parallelism (fc1's output 1/t as wide on t times the rows, the output
+reduce-scattered to the GPU's rows), without it the output of the group's rows (t T H)
+before its all-reduce.
 """
 
 from __future__ import annotations
 
 from sim.hardware.compute import ComputeModel
 from testbed.model.fp8_casts import linears_copy_bytes
-from testbed.model.whole_model import moe_layer_shape, recompute_modules_of, recompute_savings, shape_of
+from testbed.model.whole_model import (
+    moe_layer_shape,
+    recompute_modules_of,
+    recompute_savings,
+    shape_of,
+    shared_expert_params_per_gpu,
+)
 from testbed.scenario.scenario import Scenario
 
 
@@ -50,7 +64,7 @@ class SharedExperts:
         self.forward_s = (0.0, 0.0)
         self.backward_s = (0.0, 0.0)  # the part beside the combine_backward, then beside the dispatch_backward
         self.activation_bytes = 0.0  # per layer
-        self.params = 0  # per layer, whole
+        self.params = 0  # per layer, on one GPU
         self.fp8_copy_bytes = 0.0  # per layer, while its forward and backward run
         if not self.enabled:
             return
@@ -65,21 +79,24 @@ class SharedExperts:
                + (3.0 if recompute else 2.0) * gate_s,
                compute.linears_time(tokens, first_linears, backward=True, recompute=recompute))
         self.forward_s, self.backward_s = fwd, bwd
+        p = scenario.parallelism
+        out_rows = 1 if p.sequence_parallel else p.tp_size  # without SP the group's rows, replicated (doc)
         if not recompute:
-            self.activation_bytes = float(tokens * m.shared_experts * ((f - 1) * shape.shared_ffn_width + h)
-                                          * m.dtype_bytes)
+            self.activation_bytes = float(tokens * m.shared_experts
+                                          * ((f - 1) * shape.shared_ffn_width + out_rows * h) * m.dtype_bytes)
         modules = recompute_modules_of(scenario)
         #: times their forward runs again in the backward (recompute modules, module doc)
         self.recomputes = ("shared_experts" in modules) + ("moe" in modules)
         if self.recomputes:
             again = self.recomputes * (fwd[0] + fwd[1])
             self.backward_s = (bwd[0] + again, bwd[1])
-        if modules:  # tensor parallelism is refused with shared experts: every tensor whole
+        if modules:  # per GPU the same tensors' bytes under sequence parallelism (module doc)
             saved = recompute_savings(shape_of(scenario), True, modules, t.seq_len, m.dtype_bytes).shared
             self.activation_bytes = max(self.activation_bytes - tokens * saved, 0.0)
-        self.params = shape.shared_expert_params
+        self.params = shared_expert_params_per_gpu(scenario)  # 1/tp of their FFNs, the gate whole
         if compute.fp8:
-            self.fp8_copy_bytes = float(linears_copy_bytes(first_linears + second_linears, m.fp8_scaling))
+            self.fp8_copy_bytes = float(linears_copy_bytes(first_linears + second_linears, m.fp8_scaling)) \
+                / p.tp_size
 
     @property
     def forward_total_s(self) -> float:

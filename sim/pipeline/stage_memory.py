@@ -19,7 +19,9 @@ head it holds, and the micro-batches' activations its schedule keeps in flight.
   peaks: a rank's peak is its stage's less that, plus the most its schedule holds at once,
   plus the embedding's and head's weights and Adam state it holds more (held all step;
   their gradients come in the backward, after the peak, and change the breakdown's
-  ``gradients`` only).
+  ``gradients`` only). The layers' fp8 weight copies are no chunk's ``held_bytes``
+  (``sim.pipeline.stage_work``): the simulated stage's peak and ``parameters`` hold them
+  once, as the rank does whatever its schedule keeps in flight.
 
 Left out: the gradient sync of an embedding or head a rank does not hold (its simulated
 stage still all-reduces them: ``sim.pipeline.run``'s tail and bytes), and the cross-stage

@@ -36,9 +36,12 @@ rest of its span being collectives and waits: what an overlapped forward-backwar
 combined 1F1B's) can hide behind the other's compute (``overlapped_seconds``, ``pair_seconds``).
 
 Activations (``held_bytes``): what the chunk's forward phases allocate until its backward
-(``Phase.mem_delta``: dense blocks, experts' rows, shared experts, fp8 weight copies), the
-dense-first layers at ``DenseLayers.layer_activation``, the logits with the head, on the
-stage's fullest GPU.
+(``Phase.mem_delta``: dense blocks, experts' rows, shared experts), the dense-first layers at
+``DenseLayers.layer_activation``, the logits with the head, on the stage's fullest GPU. The
+layers' fp8 weight copies (``PhaseBuilder.layer_fp8_copy_bytes``) are left out of them:
+Transformer Engine casts a weight once a step and every micro-batch reuses the copy, so a
+rank holds them once, as its simulated stage does (its peak, its breakdown's ``parameters``),
+however many micro-batches are in flight.
 
 Left out: the head's and the MTP modules' differences of host work, and layer-index
 features (sliding windows every few layers) renumbered by the stage's scenario.
@@ -152,6 +155,8 @@ class StageCuts:
                 bwd_end[ph.layer] = max(bwd_end[ph.layer], ends)
                 if compute:
                     self.bwd_compute[ph.layer] += ph.seconds
+        for layer, copies in b.layer_fp8_copy_bytes.items():  # held once a step, not per micro-batch (module doc)
+            self.held[layer] -= copies
         if self.dense.enabled:
             self.weight -= np.array([_block_cores(self.dense, layer, self.main) for layer in range(n)])[:, None]
         fwd_cut = np.maximum.accumulate(np.concatenate([[tl.t0], fwd_end]))

@@ -318,6 +318,13 @@ class PhaseBuilder:
         rows = {f.layer: self.expert_rows(f) for f in d.forward}
         act = {layer: self.activation_bytes(r) for layer, r in rows.items()}
         held = {layer: a + self.fp8_copy_bytes(rows[layer]) for layer, a in act.items()}  # with the fp8 copies
+        #: [W] bytes of each layer's fp8 weight copies among what its forward phases hold (routed experts', shared
+        #: experts', dense block's): made once a step and reused by every micro-batch, so a pipeline stage holds
+        #: them once (sim.pipeline.stage_work)
+        self.layer_fp8_copy_bytes = {
+            layer: self.fp8_copy_bytes(r) + (self.shared.fp8_copy_bytes if self.shared.enabled else 0.0)
+            + (self.dense.held_bytes[layer] - self.dense.activation_bytes[layer] if self.dense.enabled else 0.0)
+            for layer, r in rows.items()}
         grads = {layer: (r > 0).sum(axis=1) * self.expert_update_bytes / self.zero[3] for layer, r in rows.items()}
         self.host_bytes = {st: 0.0 for st in STAGES}  # mean over ranks of the work each stage handled
         tokens = np.full(w, s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes, dtype=float)

@@ -339,7 +339,9 @@ def format_summary(s: dict) -> str:
         for f in s["faults"]:
             lost = f", {f['time_lost_s']:.1f} s of training lost" if f["time_lost_s"] else ""
             lines.append(f"fault      step {f['step']}: {f['kind']} {f['target']} -> {f['action']}{lost}")
-    if s.get("fits_in_device_memory") is False:
+    if s.get("memory_verdict"):
+        lines.append(f"WARNING    {s['memory_verdict']}")
+    elif s.get("fits_in_device_memory") is False:
         lines.append(f"WARNING    peak memory exceeds the profile's {s['device_memory_bytes'] / 1e9:.0f} GB device memory")
     return "\n".join(lines)
 

@@ -61,10 +61,11 @@ from testbed.model.recompute_modules import LayerRecompute
 from testbed.model.transformer_shape import TransformerShape, attention_core_flops
 
 __all__ = ["ADAM_MIXED_BYTES", "SHARED_EXPERT_TENSORS", "RecomputeSavings", "TransformerShape",
-           "activation_bytes_per_layer", "attention_core_flops", "block_grad_bytes", "bubble_fraction",
-           "expert_row_bytes", "expert_row_elements", "layer_activation_bytes", "mfu", "moe_layer_shape",
+           "activation_bytes_per_layer", "attention_core_flops", "block_attention_layers", "block_grad_bytes", "bubble_fraction",
+           "expert_row_bytes", "expert_row_elements", "layer_activation_bytes", "mfu", "mla_down_projection_params",
+           "moe_layer_shape",
            "moe_stack_step_flops", "optimizer_bytes_per_param", "recompute_modules_of", "recompute_savings", "shape_of",
-           "shared_expert_grad_bytes", "zero_shards"]
+           "shared_expert_grad_bytes", "shared_expert_params_per_gpu", "zero_shards"]
 
 #: bytes per parameter of mixed-precision Adam: bf16 weight, bf16 gradient, fp32 master, m, v
 ADAM_MIXED_BYTES = {"weight": 2, "grad": 2, "master": 4, "moment1": 4, "moment2": 4}
@@ -264,11 +265,51 @@ def moe_layer_shape(scenario) -> TransformerShape:
                             router_bias=m.ffn_bias or r.bias_update_rate > 0)
 
 
-def shared_expert_grad_bytes(scenario) -> int:
-    """Bytes of one MoE layer's shared-expert gradients (and their gate's): whole on every
-    GPU, as their weights (``model.shared_experts``; 0 without)."""
+def shared_expert_params_per_gpu(scenario) -> int:
+    """Parameters of one MoE layer's shared experts (and their gate) on one GPU: under
+    tensor parallelism (``parallelism.tp_size`` t) each holds 1/t of their FFNs (Megatron-Core's
+    SharedExpertMLP is an MLP: column-parallel fc1, row-parallel fc2) and the whole gate
+    (H, replicated: ``gate_weight``); 0 without shared experts."""
     m = scenario.model
-    return moe_layer_shape(scenario).shared_expert_params * m.dtype_bytes if m.shared_experts else 0
+    if not m.shared_experts:
+        return 0
+    shape = moe_layer_shape(scenario)
+    gate = shape.hidden if shape.shared_gate else 0
+    return (shape.shared_expert_params - gate) // scenario.parallelism.tp_size + gate
+
+
+def shared_expert_grad_bytes(scenario) -> int:
+    """Bytes of one MoE layer's shared-expert gradients (and their gate's) on one GPU, as
+    their weights (``shared_expert_params_per_gpu``; 0 without)."""
+    return shared_expert_params_per_gpu(scenario) * scenario.model.dtype_bytes
+
+
+def mla_down_projection_params(shape: TransformerShape) -> int:
+    """Weights of one layer's MLA down projections, H x r_q and H x (r_kv + d_rope): whole on
+    every tensor-parallel rank in Megatron-Core (TELinear ``parallel_mode = "duplicated"``,
+    ``megatron/core/transformer/multi_latent_attention.py``), unlike its up and output
+    projections, split by heads; 0 for GQA. With sequence parallelism their gradients are
+    summed over the tensor-parallel group (``finalize_model_grads``'
+    ``_allreduce_non_tensor_model_parallel_grads``: their ``sequence_parallel`` attribute)."""
+    if shape.attention != "mla":
+        return 0
+    return shape.hidden * (shape.q_lora_rank + shape.kv_lora_rank + shape.qk_rope_head_dim)
+
+
+def block_attention_layers(scenario, layer: int) -> int:
+    """Attention sublayers whose weights MoE layer ``layer``'s bucket carries (``block_grad_bytes``,
+    ``scenario`` the controller's): its block's ``moe_every``, with layer 0 the dense-first
+    layers', with the last layer the MTP modules' (one each)."""
+    t, m = scenario.transformer, scenario.model
+    if not t.enabled:
+        return 0
+    mtp = mtp_modules(scenario)
+    out = t.moe_every if layer < m.num_layers - mtp else 0
+    if layer == 0:
+        out += t.first_dense_layers
+    if layer == m.num_layers - 1:
+        out += mtp
+    return out
 
 
 def block_grad_bytes(scenario, layer: int) -> int:
@@ -298,7 +339,9 @@ def block_grad_bytes(scenario, layer: int) -> int:
         out += mtp * mtp_block_params(shape) * m.dtype_bytes
     if layer == 0:
         out += embedding + t.first_dense_layers * (shape.attention_params + shape.dense_ffn_params) * m.dtype_bytes
-    return out // scenario.parallelism.tp_size + shared  # each tensor-parallel rank holds 1/tp of them
+    # each tensor-parallel rank holds 1/tp of them, but MLA's down projections whole (replicated)
+    replicated = block_attention_layers(scenario, layer) * mla_down_projection_params(shape) * m.dtype_bytes
+    return (out - replicated) // scenario.parallelism.tp_size + replicated + shared
 
 
 def zero_shards(scenario) -> tuple[int, int, int, int]:

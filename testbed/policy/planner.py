@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed.model.whole_model import block_grad_bytes
+from testbed.model.whole_model import block_attention_layers, block_grad_bytes, mla_down_projection_params, shape_of
 from testbed.policy import deepep
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.context_parallel import ContextParallelOps
@@ -390,7 +390,26 @@ class Planner:
             summed = [gradient_sum_ops(self.s, "dense_sync", members, min(b), fp32, model, text)
                       for members, fp32, model, text in parts]
             ops += [o[0] for o in summed] + [o[1] for o in summed if len(o) > 1]  # sums, then gathers
-        return ops
+        return ops + self.replicated_grad_ops(min(self.grad_buckets()[-1]))
+
+    def replicated_grad_ops(self, layer: int) -> list[CollectiveOp]:
+        """With tensor and sequence parallelism, the gradients of the weights every member of
+        a tensor-parallel group holds whole and computes on its own rows, MLA's down
+        projections (``testbed.model.whole_model.mla_down_projection_params``), summed over
+        each group after the backward: one all-reduce per group, every layer's coalesced
+        (Megatron-Core's ``finalize_model_grads``, ``_allreduce_non_tensor_model_parallel_grads``),
+        with MoE layer ``layer``'s bucket; the norms' are not counted, as ``block_grad_bytes``
+        counts none."""
+        t, p = self.s.transformer, self.s.parallelism
+        if p.tp_size < 2 or not p.sequence_parallel or not t.enabled:
+            return []
+        per_layer = mla_down_projection_params(shape_of(self.s)) * self.s.model.dtype_bytes
+        size = reduced_bytes(self.s, per_layer * sum(block_attention_layers(self.s, i)
+                                                     for i in range(self.s.model.num_layers)))
+        if not size:
+            return []
+        label = f"replicated gradients (MLA down projections, tensor-parallel group), layers {layer}-{layer}"
+        return [CollectiveOp("all_reduce", g, "dense_sync", layer, size=size, label=label) for g in self.tp_groups()]
 
     def fixed_groups(self) -> list[tuple[int, ...]]:
         """Member sets of the communicators every rank set holds from the start, each once,

@@ -28,6 +28,7 @@ from testbed.policy.pipeline_stages import stage_scenario
 from testbed.run.backend import RunResult, get_backend
 from testbed.run.features import check_features
 from testbed.run.guards import check_size
+from testbed.run.memory_verdict import summary_memory_verdict
 from testbed.run.results import StepRecord, summarize, throughput
 from testbed.run.sources import describe_sources
 from testbed.run.store import GROUPS_FILE, RunWriter, check_resumable, latest_run, load_run, new_run_id
@@ -191,5 +192,7 @@ def run_scenario(scenario: Scenario, backend: str = "sim", *, progress: bool = F
     summary = summarize(kept + result.records, scenario.run.warmup_steps, **fields)
     summary.update(throughput(scenario, kept + result.records, summary["step_time_s"], _peak_flops(scenario)))
     summary.update(result.extra)
+    if (verdict := summary_memory_verdict(summary)) is not None:  # what overflows the device, and by how much
+        summary["memory_verdict"] = verdict
     writer.finish(summary, result.trace_events, result.routing, files=files)
     return summary
