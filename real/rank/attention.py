@@ -89,17 +89,24 @@ class Attention:
         output bias, if any, is added by the caller after tensor parallelism's sum."""
         return self._mla(x_TH, w) if self.mla else self._gqa(x_TH, w)
 
-    def _gqa(self, x_TH, w):
+    def _gqa_qkv(self, x_TH, w, s: int):
+        """Q [b, n, s, d] and K, V [b, k, s, d] of rows ``x_TH`` in sequences of ``s`` rows,
+        with their biases if any."""
         T, n, k, d = x_TH.shape[0], self.heads, self.kv_heads, self.head_dim
-        b, s = T // self.seq_len, self.seq_len
+        b = T // s
 
         def project(name):
             y = x_TH @ w["w" + name]
             return y + w["b" + name] if "b" + name in w else y
 
-        q = project("q").view(b, s, n, d).transpose(1, 2)  # [b, n, s, d]
+        q = project("q").view(b, s, n, d).transpose(1, 2)
         kk = project("k").view(b, s, k, d).transpose(1, 2)
         v = project("v").view(b, s, k, d).transpose(1, 2)
+        return q, kk, v
+
+    def _gqa(self, x_TH, w):
+        T, n, k, d = x_TH.shape[0], self.heads, self.kv_heads, self.head_dim
+        q, kk, v = self._gqa_qkv(x_TH, w, self.seq_len)
         if k < n:  # grouped-query attention: each key/value head serves n / k query heads
             kk, v = kk.repeat_interleave(n // k, dim=1), v.repeat_interleave(n // k, dim=1)
         out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)

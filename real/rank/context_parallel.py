@@ -183,16 +183,8 @@ class ContextParallelAttention(Attention):
         self.positions = torch.from_numpy(local_positions(ring.index, ring.size, seq_len))
 
     def _gqa(self, x_TH, w):
-        T, n, k, d = x_TH.shape[0], self.heads, self.kv_heads, self.head_dim
-        b, s = T // self.local_len, self.local_len
-
-        def project(name):
-            y = x_TH @ w["w" + name]
-            return y + w["b" + name] if "b" + name in w else y
-
-        q = project("q").view(b, s, n, d).transpose(1, 2)  # [b, n, s, d]
-        kk = project("k").view(b, s, k, d).transpose(1, 2)
-        v = project("v").view(b, s, k, d).transpose(1, 2)
+        T, n, d = x_TH.shape[0], self.heads, self.head_dim
+        q, kk, v = self._gqa_qkv(x_TH, w, self.local_len)  # the ring sends the k key-value heads
         out = RingAttention.apply(q, kk, v, self.ring)
         return out.transpose(1, 2).reshape(T, n * d) @ w["wo"]
 
