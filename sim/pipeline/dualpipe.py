@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.pipeline.schedule import seconds_array
+
 F, B, W = 0, 1, 2  # kind index into start / end: forward, backward (whole or its input-gradient part), weights
 PARAMETER_COPIES = 2  # each stage holds two model chunks of the p: twice 1F1B's parameters (Table 2)
 
@@ -179,15 +181,6 @@ def dualpipe_order(p: int, m: int, s: int) -> list[DualPipeOp]:
     return order
 
 
-def _seconds(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
-    arr = np.asarray(value, dtype=float)
-    if arr.shape != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(arr.shape)}")
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError(f"{name} must hold finite non-negative seconds, got {arr.tolist()}")
-    return arr
-
-
 def _max_in_flight(order: list[DualPipeOp]) -> int:
     """Most forwards done whose backward has not started; an F&B's backward frees before its forward adds."""
     held = most = 0
@@ -272,9 +265,9 @@ def run_dualpipe(forward_s, backward_s, weight_s, overlapped_s, send_s, micro_ba
     if len(shape) != 2 or shape[1] != 2:
         raise ValueError(f"forward_s must have shape [stages, 2 directions], got {list(shape)}")
     p, m = _check_sizes(shape[0], micro_batches)
-    fwd, whole = _seconds("forward_s", forward_s, (p, 2)), _seconds("backward_s", backward_s, (p, 2))
-    wgt, pair = _seconds("weight_s", weight_s, (p, 2)), _seconds("overlapped_s", overlapped_s, (p, 2))
-    send = _seconds("send_s", send_s, (p - 1,))
+    fwd, whole = seconds_array("forward_s", forward_s, (p, 2)), seconds_array("backward_s", backward_s, (p, 2))
+    wgt, pair = seconds_array("weight_s", weight_s, (p, 2)), seconds_array("overlapped_s", overlapped_s, (p, 2))
+    send = seconds_array("send_s", send_s, (p - 1,))
     if np.any(wgt > whole):
         raise ValueError(f"weight_s is part of backward_s and cannot exceed it: {wgt.tolist()} > {whole.tolist()}")
     dur = {"F": fwd, "B": whole, "I": whole - wgt, "W": wgt, "F&B": pair}

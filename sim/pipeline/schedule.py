@@ -72,7 +72,7 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _seconds(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
+def seconds_array(name: str, value: object, shape: tuple[int, ...]) -> np.ndarray:
     """``value`` as a float array of ``shape`` with finite, non-negative seconds."""
     arr = np.asarray(value, dtype=float)
     if arr.shape != shape:
@@ -104,9 +104,9 @@ def run_pipeline(forward_s, backward_s, send_s, micro_batches: int, chunks: int 
     if len(shape) != 2 or shape[0] < 1:
         raise ValueError(f"forward_s must have shape [stages, chunks={v}], got {list(shape)}")
     p = shape[0]
-    dur = np.stack([_seconds("forward_s", forward_s, (p, v)), _seconds("backward_s", backward_s, (p, v))], axis=1)
-    send = _seconds("send_s", send_s, (p,))
-    pair = None if pair_s is None else _seconds("pair_s", pair_s, (p, v, v))
+    dur = np.stack([seconds_array("forward_s", forward_s, (p, v)), seconds_array("backward_s", backward_s, (p, v))], axis=1)
+    send = seconds_array("send_s", send_s, (p,))
+    pair = None if pair_s is None else seconds_array("pair_s", pair_s, (p, v, v))
     if v > 1 and m % p:
         raise ValueError(f"interleaving (chunks={v}) needs micro_batches % stages == 0, got "
                          f"micro_batches={m}, stages={p}")
