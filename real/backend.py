@@ -22,7 +22,7 @@ from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
 from testbed.run.backend import RunResult
 from testbed.run.routing_trace import RoutingTrace
-from testbed.scenario.scenario import Scenario
+from testbed.scenario.scenario import Scenario, holds_part_of_a_sequence
 
 
 def check_runnable(scenario: Scenario) -> None:
@@ -56,6 +56,7 @@ def check_runnable(scenario: Scenario) -> None:
                 if value is not None:
                     raise ScenarioError(name, value, f"with parallelism.pp_size > 1 on the real backend: {why}")
         _check_model_features(s)
+        _check_sequence_balance_loss(s)
         if t.zero_stage > 0:
             raise ScenarioError("transformer.zero_stage", t.zero_stage, "the real backend keeps the whole optimizer "
                                 "state on every rank (ZeRO 0); --backend sim models ZeRO")
@@ -103,6 +104,27 @@ def _check_model_features(s: Scenario) -> None:
     if t.attention == "mla" and t.qk_rope_head_dim % 2:
         raise ScenarioError("transformer.qk_rope_head_dim", t.qk_rope_head_dim,
                             "RoPE rotates pairs of dimensions: must be even")
+
+
+def _check_sequence_balance_loss(s: Scenario) -> None:
+    """The real router (``testbed.policy.router.route``) takes the sequence-wise balance loss
+    over each rank's own sequences; Megatron-Core all-reduces a sequence's statistics over the
+    GPUs it is split over (moe_utils.py, sequence_load_balancing_loss_func's
+    sequence_partition_group: TP x CP), which the real backend does not. The simulator routes
+    synthetic tokens and takes no loss, so it runs these layouts."""
+    t, tokens, cp = s.transformer, s.workload.tokens_per_rank, s.parallelism.cp_size
+    if s.router.seq_aux_loss_coef <= 0:
+        return
+    if cp > 1:
+        raise ScenarioError("router.seq_aux_loss_coef", s.router.seq_aux_loss_coef,
+                            f"with parallelism.cp_size = {cp}: the sequence-wise balance loss over sequences "
+                            "split across a CP group is not modelled on the real backend; --backend sim runs it")
+    if holds_part_of_a_sequence(s):
+        raise ScenarioError("router.seq_aux_loss_coef", s.router.seq_aux_loss_coef,
+                            f"the sequence-wise balance loss is taken over each GPU's own sequences; with "
+                            f"workload.tokens_per_rank = {tokens} each GPU of a tensor-parallel group holds part "
+                            f"of a sequence of transformer.seq_len = {t.seq_len} (not modelled on the real "
+                            "backend; --backend sim runs it)")
 
 
 def check_ranks_per_core(scenario: Scenario, force: bool) -> None:

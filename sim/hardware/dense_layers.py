@@ -77,6 +77,15 @@ planner's (``ContextParallelOps``) and its steps the phase builder's
 (``sim.step.context_parallel_ring``: each step's core beside the send of the next block).
 The activations are those of the GPU's own tokens (Korthikanti's terms on CP-rank
 sequences of seq_len / CP rows).
+
+Ulysses attention (``parallelism.attention_parallel = "ulysses"``, ``testbed.policy.ulysses``)
+over the tensor-parallel group's U GPUs: every weight whole on each GPU (the dense parameters
+not divided by U), every GEMM on the GPU's own T rows, attention's core on the group's whole
+sequences for n / U heads: U T x 1/U of the core's FLOPs, the same per GPU as above, at the
+``attention`` curve's efficiency for a sequence of seq_len. The activations are those of the
+GPU's own rows (Korthikanti's eq. 5 terms, as with sequence parallelism: inside the core each
+GPU holds U T rows of n / U heads, the bytes of its T rows of n). The all-to-alls are the
+planner's (``UlyssesOps``), chained after the block's compute as the other collectives.
 """
 
 from __future__ import annotations
@@ -91,6 +100,8 @@ from testbed.model.mtp_layers import mtp_block_params, mtp_modules
 from testbed.model.recompute_modules import LayerRecompute, RecomputeWork
 from testbed.model.transformer_shape import attention_core_flops
 from testbed.model.whole_model import (
+    dense_weight_split,
+    is_ulysses,
     layer_activation_bytes,
     mla_down_projection_params,
     recompute_modules_of,
@@ -145,7 +156,8 @@ class DenseLayers:
         # the CP rank's shares of them, seq_len / cp rows each: flash attention keeps nothing of s x s)
         self._act_args = {"seq_len": self.local_seq, "micro_batch": p.tp_size * tokens // self.local_seq,
                           "tp": p.tp_size,
-                          "sequence_parallel": p.sequence_parallel, "recompute": self.recompute, "flash": True,
+                          # Ulysses: each GPU its own rows, as sequence parallelism (module doc)
+                          "sequence_parallel": p.sequence_parallel or is_ulysses(s), "recompute": self.recompute, "flash": True,
                           "recompute_modules": self.modules, "dtype_bytes": m.dtype_bytes}
         self._core = {}  # sliding -> forward seconds of one layer's attention core (_attention_parts)
         self._attention = {w: self._attention_parts(w) for w in (False, True)}
@@ -181,8 +193,9 @@ class DenseLayers:
         #: dense FFNs, embeddings and the MTP modules' projections and attentions, MLA's down projections whole
         # MLA's down projections whole on every GPU (Megatron-Core's "duplicated" linears), one per attention
         replicated = (shape.layers + mtp) * mla_down_projection_params(shape)
-        self.dense_params = (shape.dense_params + mtp * mtp_block_params(shape) - replicated) // p.tp_size \
-            + replicated
+        # (under Ulysses every dense weight whole: dense_weight_split 1)
+        self.dense_params = (shape.dense_params + mtp * mtp_block_params(shape) - replicated) \
+            // dense_weight_split(s) + replicated
         #: the routers' weights and biases of every MoE layer the controller plans (whole on every rank, fp32)
         self.router_params = (shape.moe_layers + mtp) * (h * shape.experts + shape.experts)
         self.param_bytes = self.dense_params * m.dtype_bytes  # the routers' are the phase builder's router_grad_bytes

@@ -15,7 +15,10 @@ field were absent (``testbed.run.features`` says which features it models at all
   projections then run on the group's replicated rows, and the planner plans MLA's
   collectives with sequence parallelism only (``testbed.policy.tensor_parallel_ops``).
   Shared experts, dense-first layers and MTP modules under tensor parallelism are
-  modelled (their collectives ``tensor_parallel_ops``').
+  modelled (their collectives ``tensor_parallel_ops``');
+- Ulysses attention (``parallelism.attention_parallel = "ulysses"``) with heads or kv heads
+  not divisible by the group, with MLA, beside context parallelism or without sequence
+  parallelism (``testbed.policy.ulysses.check_ulysses``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from testbed.core.errors import ScenarioError
 from testbed.model.recompute_modules import check_recompute_modules
 from testbed.model.whole_model import shape_of
+from testbed.policy.ulysses import check_ulysses
 from testbed.scenario.profile import MachineProfile
 from testbed.scenario.scenario import Scenario
 
@@ -35,6 +39,7 @@ def check_model_support(scenario: Scenario, profile: MachineProfile) -> None:
         raise ScenarioError("model.gemm_dtype", m.gemm_dtype, f"the profile {profile.name} has no fp8 matmul "
                             "ceiling (compute.peak_tflops.fp8 is 0)")
     check_recompute(scenario)
+    check_ulysses(scenario)
     tp = s.parallelism.tp_size
     if tp <= 1:
         return

@@ -45,6 +45,7 @@ from __future__ import annotations
 from sim.hardware.compute import ComputeModel
 from testbed.model.fp8_casts import linears_copy_bytes
 from testbed.model.whole_model import (
+    dense_weight_split,
     moe_layer_shape,
     recompute_modules_of,
     recompute_savings,
@@ -96,7 +97,7 @@ class SharedExperts:
         self.params = shared_expert_params_per_gpu(scenario)  # 1/tp of their FFNs, the gate whole
         if compute.fp8:
             self.fp8_copy_bytes = float(linears_copy_bytes(first_linears + second_linears, m.fp8_scaling)) \
-                / p.tp_size
+                / dense_weight_split(scenario)
 
     @property
     def forward_total_s(self) -> float:

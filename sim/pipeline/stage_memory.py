@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from sim.pipeline.dualpipe import DualPipeOp
 from sim.pipeline.schedule import OverlappedPair
+from testbed.model.whole_model import dense_weight_split
 
 
 def embedding_head_params(shape, embedding: bool, loss: bool) -> int:
@@ -49,7 +50,7 @@ def embedding_head_delta(builder, embedding: bool, loss: bool) -> dict[str, floa
     dense, s = builder.dense, builder.s
     t = s.transformer
     delta = embedding_head_params(dense.shape, embedding, loss) - embedding_head_params(dense.shape, True, True)
-    per_gpu = delta / s.parallelism.tp_size
+    per_gpu = delta / dense_weight_split(s)
     dense_state, _, dense_grad, _ = builder.zero
     state = t.optimizer_state_bytes / dense_state if t.optimizer == "adam" else 0.0
     return {"parameters": per_gpu * s.model.dtype_bytes, "gradients": per_gpu * s.model.dtype_bytes / dense_grad,

@@ -265,6 +265,18 @@ def moe_layer_shape(scenario) -> TransformerShape:
                             router_bias=m.ffn_bias or r.bias_update_rate > 0)
 
 
+def is_ulysses(scenario) -> bool:
+    """Attention runs as Ulysses over a tensor-parallel group of more than one GPU."""
+    p = scenario.parallelism
+    return scenario.transformer.enabled and p.attention_parallel == "ulysses" and p.tp_size > 1
+
+
+def dense_weight_split(scenario) -> int:
+    """The GPUs each dense weight is split over: ``parallelism.tp_size`` under tensor
+    parallelism, 1 under Ulysses (every weight whole, replicated over the group)."""
+    return 1 if is_ulysses(scenario) else scenario.parallelism.tp_size
+
+
 def shared_expert_params_per_gpu(scenario) -> int:
     """Parameters of one MoE layer's shared experts (and their gate) on one GPU: under
     tensor parallelism (``parallelism.tp_size`` t) each holds 1/t of their FFNs (Megatron-Core's
@@ -275,7 +287,7 @@ def shared_expert_params_per_gpu(scenario) -> int:
         return 0
     shape = moe_layer_shape(scenario)
     gate = shape.hidden if shape.shared_gate else 0
-    return (shape.shared_expert_params - gate) // scenario.parallelism.tp_size + gate
+    return (shape.shared_expert_params - gate) // dense_weight_split(scenario) + gate
 
 
 def shared_expert_grad_bytes(scenario) -> int:
@@ -341,7 +353,7 @@ def block_grad_bytes(scenario, layer: int) -> int:
         out += embedding + t.first_dense_layers * (shape.attention_params + shape.dense_ffn_params) * m.dtype_bytes
     # each tensor-parallel rank holds 1/tp of them, but MLA's down projections whole (replicated)
     replicated = block_attention_layers(scenario, layer) * mla_down_projection_params(shape) * m.dtype_bytes
-    return (out - replicated) // scenario.parallelism.tp_size + replicated + shared
+    return (out - replicated) // dense_weight_split(scenario) + replicated + shared
 
 
 def zero_shards(scenario) -> tuple[int, int, int, int]:
@@ -351,7 +363,7 @@ def zero_shards(scenario) -> tuple[int, int, int, int]:
     parallelism those of one stage, the scenario ``sim.pipeline.run`` simulates), an expert on its replicas;
     stage 1 shards the optimizer state, stage 2 the gradients too."""
     stage, replicas = scenario.transformer.zero_stage, scenario.replicas
-    world = scenario.world_size // scenario.parallelism.tp_size  # a dense parameter's data-parallel ranks
+    world = scenario.world_size // dense_weight_split(scenario)  # a dense parameter's data-parallel ranks
     state = (world, replicas) if stage >= 1 else (1, 1)
     grads = (world, replicas) if stage >= 2 else (1, 1)
     return state + grads

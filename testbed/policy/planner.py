@@ -83,7 +83,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed.model.whole_model import block_attention_layers, block_grad_bytes, mla_down_projection_params, shape_of
+from testbed.model.whole_model import (
+    block_attention_layers,
+    block_grad_bytes,
+    dense_weight_split,
+    is_ulysses,
+    mla_down_projection_params,
+    shape_of,
+)
 from testbed.policy import deepep
 from testbed.policy.collectives import CollectiveOp
 from testbed.policy.context_parallel import ContextParallelOps
@@ -374,7 +381,7 @@ class Planner:
         of its updated parameters; ``transformer.grad_reduce_dtype`` sizes the gradients."""
         if len(self.world) < 2:
             return []
-        tp = self.s.parallelism.tp_size
+        tp = dense_weight_split(self.s)  # 1 under Ulysses: every dense weight whole, summed over all
         ops = []
         for b in self.grad_buckets():
             label = f"layers {min(b)}-{max(b)}"
@@ -401,7 +408,7 @@ class Planner:
         with MoE layer ``layer``'s bucket; the norms' are not counted, as ``block_grad_bytes``
         counts none."""
         t, p = self.s.transformer, self.s.parallelism
-        if p.tp_size < 2 or not p.sequence_parallel or not t.enabled:
+        if p.tp_size < 2 or not p.sequence_parallel or not t.enabled or is_ulysses(self.s):
             return []
         per_layer = mla_down_projection_params(shape_of(self.s)) * self.s.model.dtype_bytes
         size = reduced_bytes(self.s, per_layer * sum(block_attention_layers(self.s, i)

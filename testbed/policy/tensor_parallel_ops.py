@@ -36,13 +36,19 @@ r_q, the key-value r_kv) and the RoPE key (d_rope) rather than the rows; their g
 summed over the group after the backward (``Planner.dense_sync_ops``); an MTP module
 (``multi_token_prediction.py``) is its embedding, its projection and one layer
 (``mtp_parts``), and the shared head runs once more per module.
+
+Under Ulysses attention (``parallelism.attention_parallel = "ulysses"``) the group holds every
+weight whole and each GPU its own rows: the only collectives of the dense work are the
+attentions' all-to-alls (``testbed.policy.ulysses.UlyssesOps``); the embedding, the head, the
+dense FFNs, the shared experts and the MTP projections run on each GPU's own rows with none.
 """
 
 from __future__ import annotations
 
 from testbed.model.mtp_layers import mtp_modules
-from testbed.model.whole_model import shape_of
+from testbed.model.whole_model import is_ulysses, shape_of
 from testbed.policy.collectives import CollectiveOp
+from testbed.policy.ulysses import UlyssesOps
 from testbed.scenario.scenario import Scenario
 
 
@@ -53,6 +59,8 @@ class TensorParallelOps:
         self.s, self.groups = scenario, groups
         p, m = scenario.parallelism, scenario.model
         self.on = p.tp_size > 1 and scenario.transformer.enabled
+        #: Ulysses attention (module doc): its all-to-alls instead of every op below
+        self.ulysses = UlyssesOps(scenario, groups) if self.on and is_ulysses(scenario) else None
         self.tp, self.sp = p.tp_size, p.sequence_parallel
         self.tokens = scenario.workload.tokens_per_rank
         self.rows = self.tokens * m.hidden_size * m.dtype_bytes  # one GPU's own rows, bytes
@@ -70,7 +78,10 @@ class TensorParallelOps:
     def dense(self, layer: int, backward: bool) -> list[list[CollectiveOp]]:
         """Every collective of MoE layer ``layer``'s dense work: its block's, with layer 0
         the embedding's and with the last layer the output head's (forward: the
-        embedding's first, the head's last; backward the other way round)."""
+        embedding's first, the head's last; backward the other way round); under Ulysses
+        only its attentions' all-to-alls."""
+        if self.ulysses is not None:
+            return self.ulysses.block(layer, backward)
         out = self.block(layer, backward)
         if layer == 0:
             out = out + self.embedding(backward) if backward else self.embedding(backward) + out

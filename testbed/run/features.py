@@ -55,7 +55,7 @@ FEATURES: dict[str, Feature] = {
     "parallelism.decoder_first_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_first_pipeline_num_layers > 0, sim=True),
     "parallelism.decoder_last_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_last_pipeline_num_layers > 0, sim=True),
     "parallelism.pipeline_schedule": Feature(lambda s: s.parallelism.pipeline_schedule != "1f1b", sim=True),
-    "parallelism.attention_parallel": Feature(lambda s: s.parallelism.attention_parallel != "tp"),
+    "parallelism.attention_parallel": Feature(lambda s: s.parallelism.attention_parallel != "tp", sim=True),
     "overlap.moe_expert_parallel_comm": Feature(lambda s: s.overlap.moe_expert_parallel_comm, sim=True),
     "transformer.recompute_modules": Feature(lambda s: s.transformer.recompute_modules.strip() != "", sim=True),
     "transformer.overlap_grad_reduce": Feature(lambda s: s.transformer.overlap_grad_reduce, sim=True),

@@ -232,15 +232,15 @@ def _check_pipeline(s: "Scenario") -> None:
         raise ScenarioError("transformer.micro_batches", t.micro_batches,
                             f"the interleaved schedule needs a multiple of parallelism.pp_size = {p.pp_size}")
     tokens = s.workload.tokens_per_rank
-    if p.cp_size > 1:
-        pass  # the CP rank's rows of a micro-batch: _check_context_parallel
-    elif shares_sequences(s):  # the TP group's micro-batch, not each GPU's, is whole sequences
+    # with context parallelism a CP rank's rows of a micro-batch are checked by _check_context_parallel
+    whole_sequences = p.cp_size == 1
+    if whole_sequences and shares_sequences(s):  # the TP group's micro-batch, not each GPU's, is whole sequences
         if tokens % t.micro_batches or p.tp_size * (tokens // t.micro_batches) % t.seq_len:
             raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
                                 f"{tokens}: a micro-batch of the tensor-parallel group, parallelism.tp_size x "
                                 f"tokens_per_rank / micro_batches = {p.tp_size} x {tokens} / {t.micro_batches}, "
                                 f"is not a whole number of transformer.seq_len = {t.seq_len} sequences")
-    elif tokens % (t.micro_batches * t.seq_len):
+    elif whole_sequences and tokens % (t.micro_batches * t.seq_len):
         raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
                             f"{tokens} is not a multiple of micro_batches x seq_len")
     refused = (("pager.enabled", s.pager.enabled, "paging across micro-batches is not modelled"),
@@ -277,13 +277,6 @@ def _check_sequences(s: "Scenario") -> None:
     if share * tokens % t.seq_len:
         raise ScenarioError("transformer.seq_len", t.seq_len, f"does not divide the tensor-parallel group's tokens "
                             f"a step, parallelism.tp_size x workload.tokens_per_rank = {share} x {tokens}")
-    if holds_part_of_a_sequence(s) and s.router.seq_aux_loss_coef > 0:
-        # Megatron-Core all-reduces a sequence's expert counts over the GPUs it is split over
-        # (moe_utils.py, sequence_load_balancing_loss_func's sequence_partition_group: TP x CP)
-        raise ScenarioError("router.seq_aux_loss_coef", s.router.seq_aux_loss_coef,
-                            f"the sequence-wise balance loss is taken over each GPU's own sequences; with "
-                            f"workload.tokens_per_rank = {tokens} each GPU of a tensor-parallel group holds part "
-                            f"of a sequence of transformer.seq_len = {t.seq_len} (not modelled)")
 
 
 def _check_context_parallel(s: "Scenario") -> None:
@@ -319,10 +312,7 @@ def _check_context_parallel(s: "Scenario") -> None:
         ("transformer.recompute", t.recompute if t.recompute != "none" else 0, "recomputing attention runs the "
          "ring again (not modelled)"),
         ("transformer.recompute_modules", "core_attn" in modules and t.recompute_modules,
-         "core_attn's recompute runs the ring again (not modelled)"),
-        # moe_utils.py sequence_load_balancing_loss_func sums over its sequence_partition_group (TP x CP)
-        ("router.seq_aux_loss_coef", s.router.seq_aux_loss_coef, "the sequence-wise balance loss over sequences "
-         "split across a CP group is not modelled"))
+         "core_attn's recompute runs the ring again (not modelled)"))
     for name, value, why in refused:
         if value:
             raise ScenarioError(name, value, f"with parallelism.cp_size = {cp}: {why}")

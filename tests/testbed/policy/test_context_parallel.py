@@ -139,7 +139,6 @@ REFUSED = [
     ({"parallelism": {"cp_size": 2}, "transformer": {"recompute": "full"}}, "transformer.recompute"),
     ({"parallelism": {"cp_size": 2}, "transformer": {"recompute_modules": "mlp,core_attn"}},
      "transformer.recompute_modules"),
-    ({"parallelism": {"cp_size": 2}, "router": {"seq_aux_loss_coef": 0.001}}, "router.seq_aux_loss_coef"),
     ({"parallelism": {"cp_size": 2}, "workload": {"tokens_per_rank": 256}}, "workload.tokens_per_rank"),
     ({"parallelism": {"cp_size": 2}, "workload": {"tokens_per_rank": 0, "global_batch": 4, "micro_batch_size": 1},
       "transformer": {"seq_len": 1026}}, "transformer.seq_len"),

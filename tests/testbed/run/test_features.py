@@ -27,23 +27,10 @@ def test_an_unmodelled_feature_is_refused_naming_its_field(tmp_path, monkeypatch
         features.check_features(s, "real")
 
 
-#: issue 25's layout fields, each with a value that uses it; refused until a backend models it
-LAYOUT_VALUES = {
-    "parallelism": {"attention_parallel": "ulysses"},
-}
-
-
-@pytest.mark.parametrize("section, key, value", [(s, k, v) for s, kv in LAYOUT_VALUES.items() for k, v in kv.items()])
-def test_a_layout_field_no_backend_models_yet_is_refused_on_both(section, key, value):
-    tables = {section: {key: value}}
-    if section == "transformer":
-        tables[section]["enabled"] = True
-    s = Scenario.from_dict(tables)
-    field = f"{section}.{key}"
-    assert features.used_features(s) == [field]
-    for backend in ("sim", "real"):
-        with pytest.raises(ScenarioError, match=rf"{field} = .*the {backend} backend does not model this yet"):
-            features.check_features(s, backend)
+def test_every_feature_is_modelled_by_some_backend():
+    """A field that neither backend models would only ever be refused: none is left (the
+    issue-25 layout fields were added refused, and each has a backend now)."""
+    assert [name for name, f in features.FEATURES.items() if not (f.sim or f.real)] == []
 
 
 def test_context_parallelism_is_modelled_on_both_backends():
