@@ -39,18 +39,14 @@ FILES = sorted(p.name for p in PUBLISHED.glob("*.toml"))
 #: sequence split over a TP pair is refused by the real backend only, real/backend.py)
 REFUSED_AT_LOAD: dict[str, str] = {}
 
-MEGASCALE = [f"megascale-352b-{gpus}-h800-{layout}.toml" for gpus in (240, 480, 720, 960, 1440)
-             for layout in ("megatron", "megascale")]
-
 #: file -> the field the simulator refuses it for today (the first the checks meet); the Megatron-Core
 #: layouts without folding (moe_layout = nested, etp_size = tp_size) run where the simulator models expert
 #: TP (testbed/run/features.py), else they are refused for parallelism.etp_size
 REFUSED_BY_SIM: dict[str, str] = {}
 
 #: files that run, whose simulated fullest GPU holds more than the profile's device memory: the
-#: activations of the micro-batches in flight on the fullest stage (DeepSeek-V3 with DualPipe: 16 of
-#: 10.3 GB each; Qwen3-235B: 39 chunk-micro-batches; Qwen3-30B: 49, VP 24), and in fp8 the layers' fp8
-#: expert weight copies counted once per micro-batch in flight (Mixtral-8x22B folded: 42.7 -> 60.5 GiB)
+#: activations of the micro-batches in flight on the fullest stage (DeepSeek-V3 with DualPipe: 17 in
+#: flight; on 1,024 H100: 37; Qwen3-235B: 37; Qwen3-30B: 49, VP 24), where the published runs fit
 OVER_MEMORY = {
     "deepseek-v3-1024-h100.toml",  # 87.00 GiB of 74.51: activations 70.00 GiB (37 in flight)
     "deepseek-v3-2048-h800.toml",
