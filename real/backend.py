@@ -84,12 +84,16 @@ def check_runnable(scenario: Scenario) -> None:
 
 def _check_model_features(s: Scenario) -> None:
     """The models people train (issue 24) with the parallelism the real backend runs them
-    under: MLA, an output-projection bias and MTP on whole ranks (no tensor parallelism:
-    MLA's latents and the output bias would be replicated across a group, their gradients
-    summed over it, which the planner does not plan), MTP and dense-first layers on one
+    under: MLA, an output-projection bias, shared experts and MTP on whole ranks (no tensor
+    parallelism: MLA's latents and the output bias would be replicated across a group, their
+    gradients summed over it, which the planner does not plan; shared experts are split over
+    the group in the plan, as Megatron-Core splits them, and whole on these ranks), MTP and dense-first layers on one
     pipeline stage, and MLA's RoPE on pairs of dimensions."""
     t, p = s.transformer, s.parallelism
     whole_ranks = (("transformer.attention", t.attention == "mla" and t.attention),
+                   # the simulator plans Megatron-Core's split shared experts (an MLP split over the group,
+                   # testbed.policy.tensor_parallel_ops); these ranks would run them whole, moving other bytes
+                   ("model.shared_experts", s.model.shared_experts),
                    ("transformer.attention_bias", t.attention_bias == "all" and t.attention_bias),
                    ("transformer.mtp_layers", t.mtp_layers))
     for name, value in whole_ranks:
