@@ -3,14 +3,10 @@
 DeepSeek-V3's router; configs/qwen-like-cpu.toml: head_dim, Q/K/V biases, SwiGLU, a gated
 shared expert) learn on the real backend, and each feature family's real run and its
 simulator replay count the same bytes per stage and per link level (the central invariant,
-tests/test_cross_backend.py).
-
-A replay needs the simulator to model the features (``testbed.run.features``): until it
-does, the replay half is skipped with the field it refuses named."""
+tests/test_cross_backend.py)."""
 
 import pytest
 
-from testbed.core.errors import ScenarioError
 from testbed.run.features import check_features, used_features
 from testbed.run.routing_trace import RoutingTrace
 from testbed.run.runner import run_scenario
@@ -19,11 +15,9 @@ from testbed.scenario.scenario import Scenario
 
 
 def replay_of(real: dict, s: Scenario) -> dict:
-    """The simulator's replay of the real run's routing, or a skip naming what it refuses."""
-    try:
-        check_features(s, "sim")
-    except ScenarioError as err:
-        pytest.skip(f"the simulator does not model it yet: {err}")
+    """The simulator's replay of the real run's routing (every feature here is modelled by
+    both backends: a refusal fails the test)."""
+    check_features(s, "sim")
     return run_scenario(s.replace(workload={"trace": real["run_dir"]}), "sim")
 
 

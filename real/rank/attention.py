@@ -112,10 +112,12 @@ class Attention:
         out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
         return out.transpose(1, 2).reshape(T, n * d) @ w["wo"]
 
-    def _mla(self, x_TH, w):
+    def _mla_qkv(self, x_TH, w, s: int, rotate):
+        """MLA's Q and K [b, n, s, nope + pe] and V [b, n, s, dv] of rows ``x_TH`` in sequences
+        of ``s`` rows; ``rotate`` applies RoPE to the last dimension (at the rows' positions)."""
         t = self.t
         T, n = x_TH.shape[0], self.heads
-        b, s = T // self.seq_len, self.seq_len
+        b = T // s
         nope, pe, dv, r = t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank
         q = latent_norm(x_TH @ w["wq_a"]) @ w["wq_b"] if "wq_a" in w else x_TH @ w["wq"]
         q = q.view(b, s, n, nope + pe).transpose(1, 2)  # [b, n, s, nope + pe]
@@ -123,8 +125,12 @@ class Attention:
         c_kv, k_pe = kv_a[:, :r], kv_a[:, r:]
         kv = (latent_norm(c_kv) @ w["wkv_b"]).view(b, s, n, nope + dv).transpose(1, 2)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        k_pe = rope(k_pe.view(b, 1, s, pe)).expand(b, n, s, pe)  # one RoPE key shared by the heads
-        q = torch.cat([q[..., :nope], rope(q[..., nope:])], -1)
-        key = torch.cat([k_nope, k_pe], -1)
+        k_pe = rotate(k_pe.view(b, 1, s, pe)).expand(b, n, s, pe)  # one RoPE key shared by the heads
+        q = torch.cat([q[..., :nope], rotate(q[..., nope:])], -1)
+        return q, torch.cat([k_nope, k_pe], -1), v
+
+    def _mla(self, x_TH, w):
+        T, n, dv = x_TH.shape[0], self.heads, self.t.v_head_dim
+        q, key, v = self._mla_qkv(x_TH, w, self.seq_len, rope)
         out = F.scaled_dot_product_attention(q, key, v, is_causal=True)  # scale 1 / sqrt(nope + pe)
         return out.transpose(1, 2).reshape(T, n * dv) @ w["wo"]

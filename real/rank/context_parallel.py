@@ -40,7 +40,7 @@ import math
 import torch
 
 from real.comm.context_parallel import Ring
-from real.rank.attention import ROPE_THETA, Attention, latent_norm
+from real.rank.attention import ROPE_THETA, Attention
 from testbed.policy.context_parallel import cp_group_of, local_positions
 from testbed.scenario.scenario import Scenario
 
@@ -189,18 +189,8 @@ class ContextParallelAttention(Attention):
         return out.transpose(1, 2).reshape(T, n * d) @ w["wo"]
 
     def _mla(self, x_TH, w):
-        t = self.t
-        T, n = x_TH.shape[0], self.heads
-        b, s = T // self.local_len, self.local_len
-        nope, pe, dv, r = t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank
-        pos = self.positions.to(x_TH.device)
-        q = latent_norm(x_TH @ w["wq_a"]) @ w["wq_b"] if "wq_a" in w else x_TH @ w["wq"]
-        q = q.view(b, s, n, nope + pe).transpose(1, 2)
-        kv_a = x_TH @ w["wkv_a"]
-        c_kv, k_pe = kv_a[:, :r], kv_a[:, r:]
-        kv = (latent_norm(c_kv) @ w["wkv_b"]).view(b, s, n, nope + dv).transpose(1, 2)
-        k_nope, v = kv[..., :nope], kv[..., nope:]
-        k_pe = rope_at(k_pe.view(b, 1, s, pe), pos).expand(b, n, s, pe)  # expanded over the heads: what travels
-        q = torch.cat([q[..., :nope], rope_at(q[..., nope:], pos)], -1)
-        out = RingAttention.apply(q, torch.cat([k_nope, k_pe], -1), v.contiguous(), self.ring)
+        T, n, dv = x_TH.shape[0], self.heads, self.t.v_head_dim
+        pos = self.positions.to(x_TH.device)  # RoPE at each row's position in its sequence
+        q, key, v = self._mla_qkv(x_TH, w, self.local_len, lambda y: rope_at(y, pos))
+        out = RingAttention.apply(q, key, v.contiguous(), self.ring)  # K expanded over the heads: what travels
         return out.transpose(1, 2).reshape(T, n * dv) @ w["wo"]
