@@ -1,0 +1,250 @@
+"""The simulator's GPU-scale predictions against published MoE training runs (issue 26).
+
+    python experiments/validate_published.py [--quick] [--json]
+
+Simulates every row of ``docs/published.md`` (``testbed.study.published_runs``) from its
+scenario in ``configs/published/`` (one measured step on the file's profile), and reports
+per row the predicted throughput against the published one and the error, the stage
+breakdown, the peak memory and whether it fits; per published comparison (folding, fp8,
+strong scaling, Megatron-Core against TP+EP+DP) the published and the predicted ratio;
+DeepEP's dispatch and combine bandwidths on the h800 profile (``sim.step.deepep_bandwidth``)
+against DeepEP's README; and the sensitivity of each prediction to every assumed constant of
+its profile, moved -20% and +20% (``testbed.study.profile_sensitivity``; ``--quick`` moves
+them for the first row's scenario only). Nothing is fitted to a published figure, so
+``fitted_share`` is the largest share of any simulated step from fitted constants (0 for the
+built-in profiles, which fit nothing).
+
+Writes ``reports/published.html`` and ``reports/published.csv`` (one row per run of the sweep,
+the sensitivity runs included); ``--json`` prints the result as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sim.step.deepep_bandwidth import bandwidths_GBps
+from testbed.cli.experiment import writable_report
+from testbed.core.errors import ScenarioError, run_as_command
+from testbed.report.published_report import write_published_report
+from testbed.run.features import check_features
+from testbed.scenario.file import load_scenario
+from testbed.scenario.profile import load_profile
+from testbed.study.experiments import ROOT
+from testbed.study.profile_sensitivity import assumed_constants, moved_profile_file
+from testbed.study.published_runs import DEEPEP_COMPARISONS, DEEPEP_ROWS, ROWS
+from testbed.study.published_validation import (
+    MOVE,
+    RowResult,
+    Sensitivity,
+    Simulated,
+    comparisons,
+    explain_miss,
+    goals,
+)
+from testbed.study.sweep import Sweep, run_sweep, write_table
+
+NAME = "validate_published"
+PUBLISHED = ROOT / "configs" / "published"
+STEPS = ["run.steps=2", "run.warmup_steps=1"]  # one measured step: the simulator's steps repeat
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="the assumed constants moved for the first row only")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--jobs", type=int, default=None, help="parallel simulator processes (default: every core)")
+    p.add_argument("--output-dir", default="runs", help="the run store (default runs)")
+    p.add_argument("--report", default=None, metavar="FILE.html", help="default reports/published.html")
+    p.add_argument("--fresh", action="store_true", help="run every point again, ignoring the sweep's index")
+    p.add_argument("--seed", type=int, default=0, help="seed of DeepEP's test routing (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def _scenarios(args) -> tuple[list, dict, dict, dict]:
+    """(scenarios to run, config -> its index, (config, key, factor) -> its index or why the
+    moved profile is not valid, config -> why it cannot be simulated)."""
+    configs = list(dict.fromkeys(r.config for r in ROWS))
+    moved_for = configs[:1] if args.quick else configs
+    scenarios, base_of, moved_of, missing = [], {}, {}, {}
+    profiles = Path(args.output_dir) / NAME / "profiles"
+    for config in configs:
+        try:
+            s = load_scenario(PUBLISHED / config, STEPS + [f"run.output_dir={args.output_dir}"])
+            check_features(s, "sim")
+        except ScenarioError as e:
+            missing[config] = str(e)
+            continue
+        base_of[config] = len(scenarios)
+        scenarios.append(s)
+        if config not in moved_for:
+            continue
+        profile = load_profile(s.cluster.profile)
+        for c in assumed_constants(profile):
+            if not c.movable:
+                continue
+            for factor in (1 - MOVE, 1 + MOVE):
+                try:
+                    path = moved_profile_file(profile, c.key, factor, profiles)
+                    moved = s.replace(cluster={"profile": str(path)})
+                except ScenarioError as e:
+                    moved_of[(config, c.key, factor)] = str(e)
+                    continue
+                moved_of[(config, c.key, factor)] = len(scenarios)
+                scenarios.append(moved)
+    return scenarios, base_of, moved_of, missing
+
+
+def _summaries(sweep: Sweep, result) -> dict[int, dict]:
+    """Scenario index -> its run's summary (points the sweep skipped are absent)."""
+    grid, k, out = result.grid, 0, {}
+    for j, point in enumerate(sweep.grid()):
+        if k < len(grid) and grid[k] == point:
+            if (k, "sim", 0) in result.summaries:
+                out[j] = result.summaries[(k, "sim", 0)]
+            k += 1
+    return out
+
+
+def _deepep(seed: int) -> list[dict]:
+    profile = load_profile("h800")
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in DEEPEP_ROWS:
+        got = bandwidths_GBps(r.ep, profile, rng)
+        out.append({"id": r.id, "kind": r.kind, "ep": r.ep, "link": r.link,
+                    "published_dispatch_GBps": r.dispatch_GBps, "published_combine_GBps": r.combine_GBps,
+                    "dispatch_GBps": got["dispatch"], "combine_GBps": got["combine"],
+                    "dispatch_error": got["dispatch"] / r.dispatch_GBps - 1, "combine_error": got["combine"] / r.combine_GBps - 1})
+    return out
+
+
+def _deepep_comparisons(rows: list[dict]) -> list[dict]:
+    by = {r["id"]: r for r in rows}
+    out = []
+    for cid, what, num, den in DEEPEP_COMPARISONS:
+        for stage in ("dispatch", "combine"):
+            pub = by[num][f"published_{stage}_GBps"] / by[den][f"published_{stage}_GBps"]
+            pred = by[num][f"{stage}_GBps"] / by[den][f"{stage}_GBps"]
+            out.append({"id": f"{cid}-{stage}", "what": f"{what} ({stage})", "published": pub, "predicted": pred,
+                        "direction_agrees": (pred > 1) == (pub > 1), "magnitude_gap": abs(pred - pub)})
+    return out
+
+
+def run(args) -> int:
+    report = writable_report(args.report or ROOT / "reports" / "published.html")
+    scenarios, base_of, moved_of, missing = _scenarios(args)
+    sweep = Sweep.of_scenarios(NAME + ("_quick" if args.quick else ""), scenarios, backends=("sim",), repeats=1)
+    result = run_sweep(sweep, jobs=args.jobs, fresh=args.fresh, progress=not args.no_progress)
+    summaries = _summaries(sweep, result)
+    skipped = {str(p): why for p, why in result.skipped}
+    results: dict[str, RowResult] = {}
+    for r in ROWS:
+        i = base_of.get(r.config)
+        if i is None or i not in summaries:
+            results[r.id] = RowResult(r, None, missing.get(r.config) or skipped.get(str(sweep.grid()[i]), "not run"))
+            continue
+        base = summaries[i]
+        rr = RowResult(r, Simulated.of_summary(base))
+        for key in dict.fromkeys(k for (c, k, _) in moved_of if c == r.config):
+            changes, why = [], ""
+            for factor in (1 - MOVE, 1 + MOVE):
+                j = moved_of[(r.config, key, factor)]
+                if isinstance(j, str) or j not in summaries:
+                    changes.append(None)
+                    why = j if isinstance(j, str) else skipped.get(str(sweep.grid()[j]), "not run")
+                else:
+                    changes.append(summaries[j]["step_time_s"] / base["step_time_s"] - 1)
+            rr.sensitivities.append(Sensitivity(key, changes[0], changes[1], why))
+        results[r.id] = rr
+    comps = comparisons(results)
+    deepep = _deepep(args.seed)
+    deepep_errors = [e for d in deepep for e in (d["dispatch_error"], d["combine_error"])]
+    verdict = goals(list(results.values()), comps, deepep_errors)
+    fitted = [s.get("fitted_share") or 0.0 for s in summaries.values()]
+    verdict["fitted_share"] = max(fitted) if fitted else None
+    table = write_table(result.rows(), report.with_suffix(".csv"))
+    rows_out = [_row_json(rr) for rr in results.values()]
+    out = {"experiment": NAME, "quick": args.quick, "rows": rows_out,
+           "comparisons": [{"id": c.id, "what": c.what, "published": c.published, "predicted": c.predicted,
+                            "direction_agrees": c.direction_agrees, "magnitude_gap": c.magnitude_gap,
+                            "holds": c.holds} for c in comps],
+           "deepep": deepep, "deepep_comparisons": _deepep_comparisons(deepep), "goals": verdict,
+           "assumed_constants": _assumed(results), "ran": result.ran, "wall_s": result.wall_s,
+           "report": str(report), "table": str(table)}
+    write_published_report(report, out)
+    if args.json:
+        print(json.dumps(out, default=str))
+    else:
+        _print(out)
+    return 0
+
+
+def _row_json(rr: RowResult) -> dict:
+    r, s = rr.row, rr.sim
+    d = {"id": r.id, "config": r.config, "unit": r.unit, "published": r.value, "source": r.source, "weak": r.weak,
+         "predicted": rr.predicted, "error": rr.error, "missing": rr.missing, "explanation": explain_miss(rr)}
+    if s is not None:
+        d.update({"run_dir": s.run_dir, "step_time_s": s.step_time_s, "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu,
+                  "tflops_per_gpu": s.tflops_per_gpu, "stage_time_s": s.stage_time_s,
+                  "peak_memory_bytes": s.peak_memory_bytes, "device_memory_bytes": s.device_memory_bytes,
+                  "fits": s.fits, "bubble_fraction": s.bubble_fraction})
+    d["sensitivities"] = [{"key": x.key, "minus": x.minus, "plus": x.plus, "why": x.why} for x in rr.sensitivities]
+    return d
+
+
+def _assumed(results: dict[str, RowResult]) -> list[dict]:
+    """Every assumed constant moved, with its largest effect on any row's step time."""
+    by: dict[str, dict] = {}
+    for rr in results.values():
+        for x in rr.sensitivities:
+            e = by.setdefault(x.key, {"key": x.key, "largest": 0.0, "row": None, "why": x.why})
+            if x.size > e["largest"] or e["row"] is None:
+                e.update(largest=x.size, row=rr.row.id, minus=x.minus, plus=x.plus)
+    return sorted(by.values(), key=lambda e: -e["largest"])
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{100 * x:+.1f}%"
+
+
+def _print(out: dict) -> None:
+    print(f"{'row':<14} {'config':<44} {'unit':<12} {'published':>10} {'predicted':>10} {'error':>8}  fits")
+    for r in out["rows"]:
+        pub, pred = r["published"], r["predicted"]
+        scale = 100 if r["unit"] == "mfu" else 1
+        shown = "—" if pred is None else f"{pred * scale:.1f}"
+        print(f"{r['id']:<14} {r['config']:<44} {r['unit']:<12} {pub * scale:>10.1f} {shown:>10} "
+              f"{_pct(r['error']):>8}  {r.get('fits', '—')}" + (f"  [{r['missing']}]" if r["missing"] else ""))
+    print("\ncomparisons (ratio of per-GPU throughput)")
+    for c in out["comparisons"] + out["deepep_comparisons"]:
+        pred = "—" if c["predicted"] is None else f"{c['predicted']:.3f}"
+        print(f"  {c['what']:<58} published {c['published']:.3f}  predicted {pred}  "
+              f"direction {'agrees' if c['direction_agrees'] else 'differs'}")
+    print("\nDeepEP (h800 profile), GB/s")
+    for d in out["deepep"]:
+        print(f"  {d['id']:<9} {d['kind']:<10} EP {d['ep']:>3}  dispatch {d['published_dispatch_GBps']:.0f} -> "
+              f"{d['dispatch_GBps']:.1f} ({_pct(d['dispatch_error'])})  combine {d['published_combine_GBps']:.0f} -> "
+              f"{d['combine_GBps']:.1f} ({_pct(d['combine_error'])})")
+    g = out["goals"]
+    print(f"\ngoals: median |error| {_pct(g['median_abs_error'])} (goal {100 * g['median_goal']:.0f}%: "
+          f"{'met' if g['median_met'] else 'not met'}), worst {_pct(g['worst_abs_error'])} (goal "
+          f"{100 * g['worst_goal']:.0f}%: {'met' if g['worst_met'] else 'not met'}); comparisons in direction "
+          f"{g['comparisons_direction_agree']}/{g['comparisons']}, within 5 points {g['comparisons_within_magnitude']}"
+          f"/{g['comparisons']}; DeepEP worst {_pct(g['deepep_worst_abs_error'])} (goal 15%: "
+          f"{'met' if g['deepep_met'] else 'not met'}); fitted_share {g['fitted_share']}")
+    print(f"wrote {out['report']} and {out['table']}")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    return run_as_command(NAME, lambda: run(args), "stopped; rerun to resume (finished runs are kept)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
