@@ -20,6 +20,7 @@ from real.rank.memory_meter import CPU_PEAK_LEAVES_OUT, CUDA_PEAK_LEAVES_OUT
 from real.rank.worker import stream_of
 from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
+from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel
 from testbed.run.backend import RunResult
 from testbed.run.routing_trace import RoutingTrace
 from testbed.scenario.scenario import Scenario, holds_part_of_a_sequence
@@ -36,6 +37,12 @@ def check_runnable(scenario: Scenario) -> None:
                             f"the real backend pipelines micro-batches of the flat all-to-all only "
                             f"(comm.token_strategy = alltoall, not {s.comm.token_strategy}); "
                             f"--backend sim models the others")
+    if s.overlap.micro_batches > 1 and s.parallelism.etp_size > 1:
+        raise ScenarioError("overlap.micro_batches", s.overlap.micro_batches,
+                            f"the real backend pipelines the all-to-all's micro-batches without the expert-TP "
+                            f"all-gather and reduce-scatter (parallelism.etp_size = {s.parallelism.etp_size}); "
+                            f"--backend sim models it")
+    check_expert_tensor_parallel(s)  # what expert TP cannot run with, before the ranks start (they plan it too)
     t = s.transformer
     if t.enabled:  # the real whole transformer: data x expert x tensor parallelism, Adam or SGD (real.rank.dense_model)
         if s.parallelism.pp_chunks > 1:

@@ -18,6 +18,13 @@ once per node and member it goes to, with its routing metadata, and brings back 
 weighted sum per (token, member), then per (token, node) (``real.comm.deepep``). Each
 expert sees its rows in the same *expert layout* (expert, source member, token, slot)
 whatever the strategy.
+With expert tensor parallelism (``parallelism.etp_size`` > 1, the two all-to-all strategies)
+each rank holds 1/ETP of each of its shard's experts: after the all-to-all its ETP group
+all-gathers the rows its members received, each member computes its slice on all of them
+and the partial outputs are reduce-scattered back before the all-to-all back
+(``real.comm.expert_tensor_parallel``); the route's counts are then gathered over the
+TP x EP group (``Planner.route_ops``), which sizes the all-gather. The EP, ETP and
+expert-DP groups are the layout's, folded or nested (``parallelism.moe_layout``).
 Stage markers in the autograd graph time the backward stages. With FP8 payloads (M22)
 token rows and their gradients travel compressed (``rank_state.codec``); routing
 metadata and probabilities never are (the planner counts them at full width).
@@ -31,6 +38,7 @@ import torch
 from real.comm.collectives import AllGather, AllToAll, ReduceScatter
 from real.comm.deepep import DeepEPExchange, fanout_row
 from real.comm.exchange_plan import hierarchical_stages, plan_exchange, plan_flat
+from real.comm.expert_tensor_parallel import ExpertTensorGroup, GatherRows, ScatterPartials
 from real.comm.micro_batches import Exchange, PipelinedExchange, plan_chunks
 from real.kernels.experts import PagedExpertFFN, combine_slots, source_slots
 from real.rank.clock import mark
@@ -154,7 +162,7 @@ class LayerRunner:
     def _experts(self, rows, instances, counts):
         """The rank's experts on ``rows`` (``counts`` per instance), weights from its store."""
         r, m = self.r, self.r.scenario.model
-        return PagedExpertFFN.apply(rows, r, instances, counts, m.hidden_size, m.ffn_hidden_size, r.grads, r.timer,
+        return PagedExpertFFN.apply(rows, r, instances, counts, m.hidden_size, r.expert_ffn, r.grads, r.timer,
                                     r.grouped, r.swiglu)
 
     # ---- token strategies ----------------------------------------------------------------------
@@ -185,8 +193,14 @@ class LayerRunner:
                 buf = AllToAll.apply(buf, r.comm, st.send_splits, st.recv_splits, st.group, r.groups.get(st.group),
                                      r.codec)
         expert_in = buf.index_select(0, expert_rows)
+        counts_e = [int(c) for c in xp.expert_counts]
+        etp = self._expert_tensor_group(plan)
+        if etp is not None:  # the ETP group's all-gather after the all-to-all: every member's rows
+            expert_in, counts_e = GatherRows.apply(expert_in, etp), [int(c) for c in etp.counts_E]
 
         def combine(y_RH):
+            if etp is not None:  # the partial sums back to their rows' members, before the all-to-all
+                y_RH = ScatterPartials.apply(y_RH, etp)
             back = y_RH.index_select(0, inverse(expert_rows))
             for st, perm in zip(reversed(xp.stages), reversed(perms)):
                 if len(st.group) > 1:
@@ -195,7 +209,21 @@ class LayerRunner:
                 back = back.index_select(0, inverse(perm))
             return combine_slots(back, slot_idx, probs_TK, tokens)
 
-        return expert_in, [int(c) for c in xp.expert_counts], combine
+        return expert_in, counts_e, combine
+
+    def _expert_tensor_group(self, plan) -> ExpertTensorGroup | None:
+        """This rank's ETP exchange of the layer (``parallelism.etp_size`` > 1, else None):
+        the rows each member of its ETP group receives per local expert, from the kept
+        counts of the member's EP group (the route's all-gather over TP x EP told them)."""
+        r = self.r
+        lay = r.layout
+        if lay.etp_size == 1:
+            return None
+        members = tuple(sorted(int(m) for m in lay.etp_members[r.rank]))
+        experts = lay.local_experts(r.rank)  # the same shard on every member
+        counts = np.stack([plan.kept[list(lay.ep_group(int(lay.group_of[m])))][:, experts.start:experts.stop]
+                           .sum(axis=0) for m in members])
+        return ExpertTensorGroup(r.comm, members, r.groups.get(members), r.rank, counts, r.codec)
 
     def _pipelined(self, layer, x_TH, plan, slot_idx, probs_TK, tokens, instances, micro_batch=0):
         """The flat exchange and the experts in ``overlap.micro_batches`` micro-batches

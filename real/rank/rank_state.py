@@ -6,7 +6,9 @@ weights in a ``PagedExpertStore`` (or unpaged when ``pager.enabled`` is false). 
 executes page moves and replica refreshes for the layers and the step loop.
 
 Weights: expert instance i starts from a generator seeded by (run.seed, i), the same on
-every replica and in the single-process reference. With ``real.check_weights`` the rank
+every replica and in the single-process reference; under expert tensor parallelism
+(``parallelism.etp_size``) a rank holds its slice of that whole expert (``expert_slice_flat``),
+so the split run starts where the unsplit one does. With ``real.check_weights`` the rank
 keeps an unpaged copy that the step loop checks the pages against.
 
 Checkpoints (M23) see the expert weights as *pages*: the store's pages, or one page per
@@ -25,7 +27,7 @@ from real.comm.collectives import Comm, PayloadCodec
 from real.comm.groups import Groups
 from real.kernels.adam import MixedAdam
 from real.kernels.experts import ExpertTimer, grouped_supported
-from real.kernels.ffn_activation import input_width
+from real.kernels.ffn_activation import input_width, split_ffn
 from real.kernels.stacked_weights import StackedWeights, grouped_members, strided_rows
 from real.paging.paged_store import PagedExpertStore
 from real.rank.clock import StageClock
@@ -52,6 +54,21 @@ def initial_expert_flat(run_seed: int, instance: int, hidden: int, ffn: int, swi
     w1 = torch.randn(hidden, input_width(ffn, swiglu), generator=g) / hidden ** 0.5
     w2 = torch.randn(ffn, hidden, generator=g) / ffn ** 0.5
     return torch.cat([w1.reshape(-1), w2.reshape(-1)])
+
+
+def expert_slice_flat(flat: torch.Tensor, hidden: int, ffn: int, swiglu: bool, etp: int, index: int) -> torch.Tensor:
+    """Slice ``index`` of ``etp`` of an expert's flat weights (``parallelism.etp_size``,
+    ``testbed.policy.expert_tensor_parallel.expert_slice_shape``): the flat weights of an
+    FFN of inner dimension ``ffn / etp``, w1's columns of that share of the inner dimension
+    (SwiGLU's gate's and up's alike: its gate then its up, as ``real.kernels.ffn_activation``
+    lays them out) and w2's rows of it; the whole expert for ``etp`` 1."""
+    if etp == 1:
+        return flat
+    w1, w2 = split_ffn(flat, hidden, ffn, swiglu)
+    part = ffn // etp
+    cols = slice(index * part, (index + 1) * part)
+    w1_part = torch.cat([w1[:, cols], w1[:, ffn:][:, cols]], dim=1) if swiglu else w1[:, cols]
+    return torch.cat([w1_part.reshape(-1), w2[cols].reshape(-1)])
 
 
 def initial_router(run_seed: int, layer: int, scenario: Scenario):
@@ -94,7 +111,12 @@ class RankState:
         m = s.model
         self.codec = PayloadCodec(fp8_grad_scale(s)) if s.comm.payload_dtype == "fp8" else None
         self.timer = ExpertTimer(self.device.type == "cuda") if s.heat.compute_source == "measured" else None
-        self.grouped = grouped_supported(self.device, self.dtype, m.hidden_size, m.ffn_hidden_size)
+        #: expert tensor parallelism (``parallelism.etp_size``): this rank holds slice ``etp_index`` of
+        #: its shard's experts, FFNs of inner dimension ``expert_ffn`` and ``expert_elems`` weights each
+        self.etp, self.etp_index = self.layout.etp_size, int(self.layout.etp_index[self.rank])
+        self.expert_ffn = m.ffn_hidden_size // self.etp
+        self.expert_elems = m.expert_params // self.etp
+        self.grouped = grouped_supported(self.device, self.dtype, m.hidden_size, self.expert_ffn)
         self.swiglu = m.ffn_activation == "swiglu"  # the experts' activation (real.kernels.ffn_activation)
         # M22 local-first routing: router.local_bias on the logits of this rank's local experts
         self.local_bias_E = None
@@ -132,8 +154,10 @@ class RankState:
             for p in self.layer_params(layer):  # a bucket's all-reduce goes once its gradients are in
                 p.register_post_accumulate_grad_hook(self._router_grad_ready)
         first = self.layer_offset * m.num_experts  # the model's instance number of this stage's first
-        init = lambda i: initial_expert_flat(s.run.seed, i + first, m.hidden_size, m.ffn_hidden_size,  # noqa: E731
-                                             self.swiglu)
+        # each rank's slice of the same whole expert as the unsplit run's (expert TP 1: the whole)
+        init = lambda i: expert_slice_flat(  # noqa: E731
+            initial_expert_flat(s.run.seed, i + first, m.hidden_size, m.ffn_hidden_size, self.swiglu),
+            m.hidden_size, m.ffn_hidden_size, self.swiglu, self.etp, self.etp_index)
         self.store = None
         self.unpaged: dict[int, torch.Tensor] = {}
         if s.pager.enabled:
@@ -145,7 +169,7 @@ class RankState:
             local = [int(i) for i in self.controller.local_instances(self.rank)]
             self.unpaged_rows = torch.stack([init(i) for i in local]).to(self.device, self.dtype) if local else None
             self.unpaged = {i: self.unpaged_rows[k] for k, i in enumerate(local)}
-            self.page_elems = m.expert_params
+            self.page_elems = self.expert_elems
         self.shadow = ({int(i): init(int(i)).to(self.device, self.dtype)
                         for i in self.controller.local_instances(self.rank)}
                        if s.real.check_weights else None)
@@ -226,6 +250,9 @@ class RankState:
         if balance is not None:  # one copy to the device a step, not one a layer; every rank's is the same
             self.balance_bias_LE = torch.as_tensor(balance.bias, dtype=torch.float32, device=self.device)
         self.grads.clear()
+        if self.etp > 1:  # a slice without rows still sums its (zero) gradient over its expert-DP group
+            self.grads.update((int(i), torch.zeros(self.expert_elems, dtype=self.dtype, device=self.device))
+                              for i in self.controller.local_instances(self.rank))
         self.page_moves, self.stall_s = 0, 0.0
         self.moves_by_reason = {}
         self.ledger = ByteLedger(self.layout)

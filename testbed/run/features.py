@@ -49,8 +49,8 @@ FEATURES: dict[str, Feature] = {
     # Megatron-Core's and DeepSeek's layouts (issue 25)
     "workload.global_batch": Feature(lambda s: s.workload.global_batch > 0, sim=True, real=True),
     "parallelism.cp_size": Feature(lambda s: s.parallelism.cp_size > 1, sim=True, real=True),
-    "parallelism.etp_size": Feature(lambda s: s.parallelism.etp_size > 1, sim=True),
-    "parallelism.moe_layout": Feature(lambda s: s.parallelism.moe_layout != "folded", sim=True),
+    "parallelism.etp_size": Feature(lambda s: s.parallelism.etp_size > 1, sim=True, real=True),
+    "parallelism.moe_layout": Feature(lambda s: s.parallelism.moe_layout != "folded", sim=True, real=True),
     "parallelism.pipeline_layout": Feature(lambda s: s.parallelism.pipeline_layout != "", sim=True),
     "parallelism.decoder_first_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_first_pipeline_num_layers > 0, sim=True),
     "parallelism.decoder_last_pipeline_num_layers": Feature(lambda s: s.parallelism.decoder_last_pipeline_num_layers > 0, sim=True),

@@ -37,7 +37,7 @@ import pytest
 
 from sim.backend import ClusterSim, _record
 from testbed.core.errors import ScenarioError
-from testbed.run.features import check_features
+from testbed.run.features import check_features, used_features
 from testbed.run.runner import run_scenario
 from testbed.scenario.file import load_scenario
 from testbed.scenario.profile import load_profile
@@ -137,12 +137,14 @@ def test_the_etp_ops_are_timed_in_their_stages():
     assert batches == [["tokens"] * 4, ["tokens, expert-TP all-gather"] * 4]
 
 
-def test_the_simulator_runs_nested_and_expert_tp_and_the_real_backend_refuses_them():
+def test_both_backends_model_nested_and_expert_tp():
+    """Both features are marked modelled on both backends (the real ranks' runs:
+    tests/real/rank/test_expert_tensor_parallel.py), and the scenarios use them."""
     for parallelism in (LAYOUTS["nested tp 2 ep 2"][0], LAYOUTS["folded etp 2 ep 4"][0]):
         s = scenario(parallelism)
+        assert {"parallelism.etp_size", "parallelism.moe_layout"} & set(used_features(s))
         check_features(s, "sim")
-        with pytest.raises(ScenarioError, match=r"parallelism\.(etp_size|moe_layout) = .*the real backend does not model"):
-            check_features(s, "real")
+        check_features(s, "real")
 
 
 def test_a_refused_expert_tp_run_leaves_no_run_folder(tmp_path):
