@@ -12,14 +12,19 @@ import os
 import statistics
 import time
 
+import torch
+
 from real.kernels.adam import STATE_BYTES as ADAM_STATE_BYTES
 from real.launch.launcher import pick_device, run_in_process, run_ranks, torchrun_device, torchrun_env, usable_cores
 from real.netem import check_privileges
 from real.rank.checkpoint import checkpoint_dir, resumable_steps
 from real.rank.memory_meter import CPU_PEAK_LEAVES_OUT, CUDA_PEAK_LEAVES_OUT
+from real.rank.recompute import WITHOUT_OUTPUT, without_output_supported
 from real.rank.worker import stream_of
 from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
+from testbed.model.recompute_modules import check_recompute_modules
+from testbed.model.whole_model import recompute_modules_of, shape_of
 from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel
 from testbed.run.backend import RunResult
 from testbed.run.routing_trace import RoutingTrace
@@ -70,6 +75,7 @@ def check_runnable(scenario: Scenario) -> None:
         if t.recompute != "none":
             raise ScenarioError("transformer.recompute", t.recompute, "the real backend keeps every activation; "
                                 "--backend sim models recompute")
+        _check_recompute_modules(s)
         if t.optimizer == "adam" and t.optimizer_state_bytes != ADAM_STATE_BYTES:
             raise ScenarioError("transformer.optimizer_state_bytes", t.optimizer_state_bytes,
                                 f"the real backend's Adam keeps fp32 master weights, m and v: {ADAM_STATE_BYTES}")
@@ -115,6 +121,41 @@ def _check_model_features(s: Scenario) -> None:
     if t.attention == "mla" and t.qk_rope_head_dim % 2:
         raise ScenarioError("transformer.qk_rope_head_dim", t.qk_rope_head_dim,
                             "RoPE rotates pairs of dimensions: must be even")
+
+
+def _check_recompute_modules(s: Scenario) -> None:
+    """The recompute modules the real ranks run (``real.rank.recompute``), checked as the
+    simulator checks them (``testbed.model.recompute_modules.check_recompute_modules``), but
+    ``moe``: its recompute runs the MoE layer's forward again in the backward, route,
+    controller and token exchange included, while these ranks' controller plans each layer
+    once a step (paging, capacity) and the plan counts the exchange once; and
+    ``mla_up_proj`` with context parallelism, whose attention (``real.rank.context_parallel``)
+    does not recompute the up projections."""
+    t, modules = s.transformer, recompute_modules_of(s)
+    if not modules:
+        return
+    try:
+        check_recompute_modules(modules, shape_of(s), full_recompute=t.recompute == "full",
+                                shared_expert_overlap=s.overlap.shared_experts,
+                                fp8_delayed_scaling=s.model.gemm_dtype == "fp8" and s.model.fp8_scaling == "tensor",
+                                grouped_experts=s.sim.expert_kernel == "grouped",
+                                moe_a2a_overlap=s.overlap.moe_expert_parallel_comm)
+    except ScenarioError as e:  # the field's value as the scenario spells it
+        raise ScenarioError("transformer.recompute_modules", t.recompute_modules, e.reason) from None
+    if not without_output_supported() and (late := [m for m in modules if m in WITHOUT_OUTPUT]):
+        raise ScenarioError("transformer.recompute_modules", t.recompute_modules,
+                            f"{late[0]} frees its output through torch's saved-tensor hook stack, which torch "
+                            f"{torch.__version__} does not expose (2.8 and later do); --backend sim models it")
+    if "moe" in modules:
+        raise ScenarioError("transformer.recompute_modules", t.recompute_modules,
+                            "moe's recompute runs the MoE layer again in the backward (route, paging, dispatch and "
+                            "combine): the real ranks' controller plans each layer once a step and the planner "
+                            "counts its token exchange once; --backend sim models it")
+    if "mla_up_proj" in modules and s.parallelism.cp_size > 1:
+        raise ScenarioError("transformer.recompute_modules", t.recompute_modules,
+                            f"mla_up_proj with parallelism.cp_size = {s.parallelism.cp_size}: the real backend's "
+                            "context-parallel attention does not recompute MLA's up projections; --backend sim "
+                            "models it")
 
 
 def _check_sequence_balance_loss(s: Scenario) -> None:

@@ -232,6 +232,13 @@ class PagedExpertFFN(torch.autograd.Function):
     (``weights.read_blocks``) is computed page by page (``real.kernels.page_pipeline``).
     ``timer`` (or None) times each expert (M18). ``swiglu``: the experts' activation
     (``real.kernels.ffn_activation``).
+
+    What it keeps for the backward: its rows' input and the first GEMM's output ``a`` (the
+    activation's input), never the activation's output, which the backward computes again
+    from ``a`` on both kernels. That is what Megatron-Core's ``moe_act`` recompute does
+    (``transformer.recompute_modules``; experts.py:269-276, the activation checkpointed
+    without its output), so these experts always run as with ``moe_act`` and naming it frees
+    nothing more here (``real.rank.recompute``).
     """
 
     @staticmethod

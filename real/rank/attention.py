@@ -22,12 +22,22 @@ within each sequence of ``transformer.seq_len`` consecutive tokens, with the sha
 Weights are [fan_in, fan_out] (``real.rank.dense_model``'s init), biases 1-D. Under tensor
 parallelism each rank holds its 1/t of the heads: Q, K, V (and their biases) split by
 columns, O by rows; MLA and an output bias are not split (refused: ``real.backend``).
+
+Recompute by module (``transformer.recompute_modules``, ``real.rank.recompute``): ``core_attn``
+checkpoints the causal core (scaled dot-product attention: it keeps Q, K, V as its inputs
+and frees its softmax statistics); ``mla_up_proj`` checkpoints MLA's up projections
+without their output (Megatron-Core's ``qkv_up_proj_and_rope_apply``,
+multi_latent_attention.py:983-987): from the latents [c_q (x without a query latent),
+[c_kv, k_rope]] through the latents' norms, the up projections and RoPE to Q, K, V, which
+the core then keeps no copy of (refilled in the backward).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from real.rank.recompute import NO_RECOMPUTE
 
 #: RoPE's base (DeepSeek-V2/V3's config.json ``rope_theta``: 10000; its YaRN scaling is not modelled)
 ROPE_THETA = 10000.0
@@ -79,10 +89,12 @@ class Attention:
     """The forward of attention sublayers of one shape: ``heads`` query and ``kv_heads``
     key/value heads (this rank's), ``seq_len`` tokens a sequence."""
 
-    def __init__(self, t, hidden: int, heads: int, kv_heads: int, seq_len: int):
+    def __init__(self, t, hidden: int, heads: int, kv_heads: int, seq_len: int, recompute=NO_RECOMPUTE):
         self.t, self.heads, self.kv_heads, self.seq_len = t, heads, kv_heads, seq_len
         self.head_dim = t.head_dim or hidden // t.num_heads
         self.mla = t.attention == "mla"
+        #: the recompute modules (``real.rank.recompute.Recompute``): core_attn and mla_up_proj are wired here
+        self.recompute = recompute
 
     def __call__(self, x_TH: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Causal attention of normalised rows ``x_TH`` (whole sequences) -> [T, H]; the
@@ -109,19 +121,29 @@ class Attention:
         q, kk, v = self._gqa_qkv(x_TH, w, self.seq_len)
         if k < n:  # grouped-query attention: each key/value head serves n / k query heads
             kk, v = kk.repeat_interleave(n // k, dim=1), v.repeat_interleave(n // k, dim=1)
-        out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+        out = self.recompute.run("core_attn", causal_core, q, kk, v)
         return out.transpose(1, 2).reshape(T, n * d) @ w["wo"]
 
     def _mla_qkv(self, x_TH, w, s: int, rotate):
         """MLA's Q and K [b, n, s, nope + pe] and V [b, n, s, dv] of rows ``x_TH`` in sequences
         of ``s`` rows; ``rotate`` applies RoPE to the last dimension (at the rows' positions)."""
+        return self._mla_up(self._mla_latents(x_TH, w), w, s, rotate)
+
+    @staticmethod
+    def _mla_latents(x_TH, w):
+        """The up projections' inputs: (c_q = x W_dq, or x without a query latent;
+        [c_kv, k_rope] = x W_dkv)."""
+        return (x_TH @ w["wq_a"] if "wq_a" in w else x_TH), x_TH @ w["wkv_a"]
+
+    def _mla_up(self, latents, w, s: int, rotate):
+        """Q, K, V (``_mla_qkv``) from the latents: their norms, the up projections, RoPE."""
         t = self.t
-        T, n = x_TH.shape[0], self.heads
+        c_q, kv_a = latents
+        T, n = c_q.shape[0], self.heads
         b = T // s
         nope, pe, dv, r = t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank
-        q = latent_norm(x_TH @ w["wq_a"]) @ w["wq_b"] if "wq_a" in w else x_TH @ w["wq"]
+        q = latent_norm(c_q) @ w["wq_b"] if "wq_a" in w else c_q @ w["wq"]
         q = q.view(b, s, n, nope + pe).transpose(1, 2)  # [b, n, s, nope + pe]
-        kv_a = x_TH @ w["wkv_a"]
         c_kv, k_pe = kv_a[:, :r], kv_a[:, r:]
         kv = (latent_norm(c_kv) @ w["wkv_b"]).view(b, s, n, nope + dv).transpose(1, 2)
         k_nope, v = kv[..., :nope], kv[..., nope:]
@@ -131,6 +153,16 @@ class Attention:
 
     def _mla(self, x_TH, w):
         T, n, dv = x_TH.shape[0], self.heads, self.t.v_head_dim
-        q, key, v = self._mla_qkv(x_TH, w, self.seq_len, rope)
-        out = F.scaled_dot_product_attention(q, key, v, is_causal=True)  # scale 1 / sqrt(nope + pe)
+
+        def core(qkv):  # the up projections' consumer: it keeps no copy of Q, K, V under mla_up_proj
+            return self.recompute.run("core_attn", causal_core, *qkv)  # scale 1 / sqrt(nope + pe)
+
+        out = self.recompute.run_without_output(
+            "mla_up_proj", lambda *latents: self._mla_up(latents, w, self.seq_len, rope), core,
+            *self._mla_latents(x_TH, w))
         return out.transpose(1, 2).reshape(T, n * dv) @ w["wo"]
+
+
+def causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention's core [b, n, s, d_v] within each sequence: causal softmax(q k^T / sqrt(d)) v."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -31,6 +31,13 @@ of the heads, FFN columns and vocabulary, so a run with t = 2 computes what t = 
 context parallelism (``parallelism.cp_size``) a rank's rows are its chunks of its CP group's
 sequences and its attention cores run around the group's ring (``real.rank.context_parallel``);
 everything else is per token, as without.
+
+Recompute by module (``transformer.recompute_modules``, ``real.rank.recompute``): ``mlp``
+checkpoints each dense FFN (its GEMMs and activation; the norm before it is its own here,
+not fused into the first GEMM as in Transformer Engine's spec); ``layernorm`` checkpoints
+each sublayer's norm without its output (the attention's input norm, a dense FFN's; an MoE
+layer here reads its input unnormalised, so it has no norm of its own); the attention's
+modules are ``real.rank.attention``'s.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from real.rank.attention import Attention, attention_weights
 from real.rank.context_parallel import ContextParallelAttention
 from real.rank.layer import seed_of
 from real.rank.mtp import MTP_LAYER, mtp_weights, tokens_ahead
+from real.rank.recompute import Recompute
 from testbed.model.whole_model import shape_of
 from testbed.scenario.scenario import Scenario
 
@@ -144,7 +152,9 @@ class DenseModel:
         # this rank's heads (all, or its 1/t of the query and of the key/value heads); under context
         # parallelism their core around the ring
         heads = (t.num_heads // parts, t.kv_heads // parts)
-        self.attend = (Attention(t, h, *heads, t.seq_len) if ring is None
+        #: the recompute modules (transformer.recompute_modules): layernorm and mlp here, attention's in attend
+        self.recompute = Recompute.of(s)
+        self.attend = (Attention(t, h, *heads, t.seq_len, self.recompute) if ring is None
                        else ContextParallelAttention(t, h, *heads, t.seq_len, ring))
         self.seq_len = t.seq_len
         self.swiglu = m.ffn_activation == "swiglu"
@@ -264,12 +274,12 @@ class DenseModel:
         if layer == 0:
             for att, ffn in self.first_dense:
                 x_TH = self._attention_sublayer(x_TH, att)
-                x_TH = x_TH + self._sublayer(x_TH, lambda y: self._ffn(y, ffn))
+                x_TH = x_TH + self._sublayer(x_TH, lambda y: self._dense_ffn(y, ffn))
         for j, att in enumerate(self.attention[layer]):
             x_TH = self._attention_sublayer(x_TH, att)
             if j < len(self.ffn[layer]):
                 ffn = self.ffn[layer][j]
-                x_TH = x_TH + self._sublayer(x_TH, lambda y: self._ffn(y, ffn))
+                x_TH = x_TH + self._sublayer(x_TH, lambda y: self._dense_ffn(y, ffn))
         return x_TH
 
     def _attention_sublayer(self, x_TH: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -277,6 +287,10 @@ class DenseModel:
         added once, after tensor parallelism's sum."""
         out = x_TH + self._sublayer(x_TH, lambda y: self.attend(y, w))
         return out + w["bo"] if "bo" in w else out
+
+    def _dense_ffn(self, y: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A dense FFN, checkpointed under ``mlp``."""
+        return self.recompute.run("mlp", self._ffn, y, w)
 
     def _ffn(self, y: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """A dense FFN: gelu(y W1) W2, or SwiGLU's (silu(y W1) * y W3) W2."""
@@ -302,8 +316,11 @@ class DenseModel:
 
     def _sublayer(self, x_TH: torch.Tensor, fn) -> torch.Tensor:
         """``fn`` on the normalised input; tensor parallel: on the group's tokens (gathered),
-        its partial outputs summed back to this rank's own."""
-        y = rms_norm(x_TH)
+        its partial outputs summed back to this rank's own. The norm is checkpointed without
+        its output under ``layernorm`` (module doc)."""
+        return self.recompute.run_without_output("layernorm", rms_norm, lambda y: self._on_group(y, fn), x_TH)
+
+    def _on_group(self, y: torch.Tensor, fn) -> torch.Tensor:
         tp = self.tp
         if tp is None:
             return fn(y)

@@ -12,6 +12,11 @@ Their weights are replicated on every rank, in ``model.dtype``, seeded by (run.s
 layer, expert): like the dense weights, their gradients are summed over all ranks in the
 layer's gradient bucket (``RankState.layer_params``) and every rank applies the same step.
 No tokens travel for them.
+
+``transformer.recompute_modules`` with ``shared_experts`` (``real.rank.recompute``): their
+forward, gate included, is checkpointed (Megatron-Core's SharedExpertMLP under
+``shared_experts``, shared_experts.py:200-207): only their input is kept, the rest run
+again in the backward.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from real.kernels.ffn_activation import ffn_forward, input_width
 from real.rank.layer import seed_of
+from real.rank.recompute import Recompute
 from testbed.scenario.scenario import Scenario
 
 
@@ -43,12 +49,16 @@ class SharedExperts:
                 out["gate"] = torch.randn(h, 1, generator=g) / h ** 0.5
             self.weights.append({k: w.to(device, dtype).requires_grad_() for k, w in out.items()})
         self.count = m.shared_experts
+        self.recompute = Recompute.of(scenario)
 
     def named_layer_params(self, layer: int) -> list[tuple[str, torch.Tensor]]:
         return [(f"shared{layer}.{k}", w) for k, w in self.weights[layer].items()]
 
     def forward(self, layer: int, x_TH: torch.Tensor) -> torch.Tensor:
-        """The shared experts' output [T, H] for MoE layer ``layer``'s input ``x_TH``."""
-        w = self.weights[layer]
+        """The shared experts' output [T, H] for MoE layer ``layer``'s input ``x_TH``
+        (checkpointed under ``shared_experts``)."""
+        return self.recompute.run("shared_experts", self._forward, x_TH, self.weights[layer])
+
+    def _forward(self, x_TH: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         out = sum(ffn_forward(x_TH, w[f"{j}.w1"], w[f"{j}.w2"], self.swiglu) for j in range(self.count))
         return out * torch.sigmoid(x_TH @ w["gate"]) if "gate" in w else out
