@@ -1,7 +1,8 @@
 """The simulator backend: the scenario's training steps on a simulated GPU cluster.
 
 Per step: faults due at this step change the fabric or cost a restart; routing comes
-from the synthetic workload (M4) or a recorded trace (``workload.trace``); the shared
+from the synthetic workload (M4) or a recorded trace (``workload.trace``: a pipelined
+real run's holds each micro-batch's, which each pipeline rank replays, ``trace_routing``); the shared
 controller takes every decision over the MoE layers it plans (the model's and, with
 multi-token prediction, one per MTP module: ``testbed.model.mtp_layers``);
 ``PhaseBuilder`` turns them into timed work on each GPU's streams; an executor times the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import simpy
@@ -45,7 +47,8 @@ from testbed.policy.combined_1f1b import check_combined_1f1b
 from testbed.policy.controller import Controller
 from testbed.policy.distributed_optimizer import check_distributed_optimizer
 from testbed.policy.page_moves import add_reason_counts, page_move_count
-from testbed.policy.pipeline_stages import PipelineStages, check_pipeline, pipelined
+from testbed.policy.pipeline_stages import PipelineStages, RankStages, check_pipeline, pipelined, rank_scenario
+from testbed.policy.step_decisions import LayerBackward, LayerForward
 from testbed.policy.workload import SyntheticWorkload
 from testbed.run.backend import RunResult
 from testbed.run.guards import network_mode
@@ -58,19 +61,43 @@ from testbed.scenario.topology import LEVELS, Layout
 TRACE_RANKS = 16  # GPUs shown in the Chrome trace
 
 
+@dataclass
+class MicroBatchDecisions:
+    """A later micro-batch's layers (1 .. m-1) of a step replayed micro-batch by micro-batch
+    (``decide_step``): what the controller decided of its forwards and backwards, whose bytes
+    and page moves the step's record counts (``_record``); the phases time micro-batch 0's."""
+
+    forward: list[LayerForward]
+    backward: dict[int, LayerBackward]
+
+
 def decide_step(controller: Controller, step: int, routed: np.ndarray, free_memory=None,
-                probe: ModelledProbe | None = None, fanout: np.ndarray | None = None) -> StepDecisions:
+                probe: ModelledProbe | None = None, fanout: np.ndarray | None = None,
+                later: list[MicroBatchDecisions] | None = None) -> StepDecisions:
     """Drive the controller through one step in the order the real backend does.
     ``fanout`` [L, W, P + A] (deepep, a replayed real run's): what each layer's route
-    stage shared, told to the planner before the layer (None: modelled from the counts)."""
+    stage shared, told to the planner before the layer (None: modelled from the counts).
+    ``routed`` [L, W, E], or [m, L, W, E]: a replayed pipeline rank's m micro-batches
+    (``trace_routing``), each decided as a real pipeline rank decides it
+    (``Controller.forward_layer``'s ``micro_batch``: every forward, then every backward -
+    with paging refused under pipelines no decision depends on their interleaving); the
+    answer is micro-batch 0's, the others' are appended to ``later``."""
+    routed = np.asarray(routed)
+    micro = routed if routed.ndim == 4 else routed[None]
     controller.begin_step(step, free_memory)
     controller.set_heat_io(None, probe)
-    forward = []
-    for layer in range(controller.L):
-        if fanout is not None:
-            controller.planner.tell_fanout(layer, fanout[layer])
-        forward.append(controller.forward_layer(layer, routed[layer]))
-    backward = {layer: controller.backward_layer(layer) for layer in reversed(range(controller.L))}
+    forwards = []
+    for i, counts in enumerate(micro):
+        forwards.append([])
+        for layer in range(controller.L):
+            if fanout is not None:
+                controller.planner.tell_fanout(layer, fanout[layer])
+            forwards[-1].append(controller.forward_layer(layer, counts[layer], micro_batch=i))
+    backwards = [{layer: controller.backward_layer(layer, micro_batch=i) for layer in reversed(range(controller.L))}
+                 for i in range(len(micro))]
+    forward, backward = forwards[0], backwards[0]
+    if later is not None:
+        later += [MicroBatchDecisions(f, b) for f, b in zip(forwards[1:], backwards[1:])]
     sync = controller.sync()
     end = controller.end_step()
     return StepDecisions(forward, backward, sync, end, probe_s=probe.take() if probe is not None else None)
@@ -86,11 +113,42 @@ def routing_source(scenario: Scenario):
     return SyntheticWorkload(scenario).routed_counts
 
 
+def pipeline_trace(whole: Scenario) -> RoutingTrace:
+    """A pipelined scenario ``whole``'s trace (``workload.trace``, a pipelined real run's:
+    testbed.run.routing_trace), read and checked: a ScenarioError where it does not fit (a
+    stage's GPUs, the whole model's layers, each micro-batch's counts with m > 1)."""
+    trace = RoutingTrace.load(whole.workload.trace)
+    trace.check_fits(controller_scenario(whole), whole.workload.trace)
+    return trace
+
+
+def trace_routing(whole: Scenario, rank: RankStages, trace: RoutingTrace):
+    """step -> pipeline rank ``rank``'s routed counts of the pipelined scenario ``whole``'s trace
+    (``pipeline_trace``): [m, L_r, W, E], each micro-batch's, of the controller's L_r layers of its
+    stage scenario - its chunks' MoE layers in its order, then its MTP modules - over a stage's W
+    GPUs; [L_r, W, E], the step's, with one micro-batch."""
+    main = whole.model.num_layers
+    layers = [c.first_moe + j for c in rank.chunks for j in range(c.moe)]
+    layers += [main + j for j in range(rank.mix[2])]  # the MTP modules: all on the loss chunk
+    micro = whole.transformer.micro_batches > 1
+    counts = trace.micro_routed if micro else trace.routed
+    return lambda step: counts[step][:, layers] if micro else counts[step][layers]
+
+
+def pipeline_trace_stages(whole: Scenario) -> PipelineStages:
+    """The stages a pipelined replay simulates: every pipeline rank on its own, each with its
+    own routing from the trace (``PipelineStages.of`` shares one simulation between the ranks
+    of the same layers, whose synthetic routing is alike)."""
+    st = PipelineStages.of(whole)
+    scenarios = tuple(rank_scenario(whole, r.mix) for r in st.ranks)
+    return PipelineStages(whole, st.layout, st.ranks, scenarios, tuple(range(len(st.ranks))))
+
+
 def fanout_source(scenario: Scenario):
     """step -> deepep's fanout [L, W, P + A] of a replayed real run (its trace's
     ``fanout``), or None: the synthetic workload's, and a trace without one, is modelled
     from the kept counts (``testbed.policy.deepep.modelled_fanout``)."""
-    if scenario.comm.token_strategy != "deepep" or not scenario.workload.trace:
+    if scenario.comm.token_strategy != "deepep" or not scenario.workload.trace or pipelined(scenario):
         return None
     fanout = getattr(RoutingTrace.load(scenario.workload.trace), "fanout", None)
     if fanout is None:
@@ -160,7 +218,11 @@ class ClusterSim:
         self.events = 0  # phase executions per rank + collective ops: the work simulated
         self.fixed_groups = self._fixed_groups()
         self.last_other: np.ndarray | None = None  # [W] non-page bytes at the last step's peak (M15)
-        self.fanout_at = fanout_source(s)  # deepep: a replayed run's fanout per step, or None
+        # deepep: a replayed run's fanout per step, or None; a pipelined run's holds the whole model's
+        # layers summed over micro-batches, so a pipeline stage models each micro-batch's from its counts
+        self.fanout_at = None if pipeline_stage else fanout_source(s)
+        #: the step's later micro-batches' decisions when it replays several (``decide_step``)
+        self.later_micro_batches: list[MicroBatchDecisions] = []
 
     def _fixed_groups(self) -> np.ndarray:
         """[W] communicators each rank holds from the start (``Planner.fixed_groups``)."""
@@ -250,8 +312,10 @@ class ClusterSim:
         pages_at_start = self.page_bytes_now()
         carried = self.network.bytes_by_edge.copy()
         messages = self.network.messages_by_edge.copy()
+        self.later_micro_batches = []
         decisions = decide_step(self.controller, step, routed, self.free_memory(base), self.probe,
-                                self.fanout_at(step) if self.fanout_at is not None else None)
+                                self.fanout_at(step) if self.fanout_at is not None else None,
+                                later=self.later_micro_batches)
         phases = self.builder.build(decisions)
         world = self.layout.world
         if self.mode == "analytic":
@@ -276,6 +340,8 @@ class SimBackend:
         uses that the simulator cannot model here (``sim.hardware.model_support``), and a
         pipeline's stages, layout and schedule (``testbed.policy.pipeline_stages``)."""
         check_pipeline(scenario)
+        if scenario.workload.trace and pipelined(scenario):  # the trace's shape, before a folder is written
+            pipeline_trace(scenario)
         check_combined_1f1b(scenario)  # Megatron-Core's conditions, pipelined or not
         check_distributed_optimizer(scenario)  # Megatron-LM's conditions of --overlap-param-gather
         check_model_support(scenario, load_profile(scenario.cluster.profile))
@@ -286,9 +352,17 @@ class SimBackend:
         profile = load_profile(whole.cluster.profile)
         # pipeline parallelism or micro-batches (sim.pipeline.run): each distinct stage, one micro-batch,
         # simulated; this loop's is rank 0's, the pipeline runs the others
-        stages = PipelineStages.of(whole) if pipelined(whole) else None
+        replay = bool(whole.workload.trace)
+        stages = None
+        if pipelined(whole):
+            stages = pipeline_trace_stages(whole) if replay else PipelineStages.of(whole)
         s = stages.scenarios[0] if stages else whole
-        routed_at = routing_source(controller_scenario(s))
+        if stages and replay:
+            replayed = pipeline_trace(whole)
+            sources = {id(sc): trace_routing(whole, r, replayed) for sc, r in zip(stages.scenarios, stages.ranks)}
+            routed_at = sources[id(s)]
+        else:
+            routed_at = routing_source(controller_scenario(s))
         # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
         # draws per step at paper scale): numpy's generators release the GIL, each step has
         # its own generator, and nothing else touches the workload, so the counts are the same
@@ -296,7 +370,11 @@ class SimBackend:
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
             sim = ClusterSim(s, profile, pipeline_stage=stages is not None)
-            pipe = PipelinedStep(whole, profile, stages, lambda st: stage_runner(st, profile)) if stages else None
+            if stages and replay:  # one stage scenario per pipeline rank (pipeline_trace_stages): its routing
+                runner = lambda st: stage_runner(st, profile, sources[id(st)])  # noqa: E731
+            else:
+                runner = lambda st: stage_runner(st, profile)  # noqa: E731
+            pipe = PipelinedStep(whole, profile, stages, runner) if stages else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
             records, trace, routing, layer_times = [], [], [], []
@@ -316,7 +394,7 @@ class SimBackend:
                 record.discovery_s = discovery_seconds(tl)
                 if pipe is not None:
                     record, breakdown = pipe.apply(step, SimulatedStage(record, breakdown, phases, tl, sim.layout,
-                                                                        sim.builder, fullest))
+                                                                        sim.builder, fullest, replay))
                 records.append(record)
                 layer_times.append(fig.layer_time_s)
                 trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,
@@ -357,11 +435,14 @@ class SimBackend:
         return RunResult(s, records, trace, routing_trace, extra)
 
 
-def stage_runner(scenario: Scenario, profile: MachineProfile):
+def stage_runner(scenario: Scenario, profile: MachineProfile, routed_at=None):
     """``step -> SimulatedStage``: a pipeline stage other than the run's own (``sim.pipeline.run``),
-    on a cluster sim and routing of its own, each step as ``SimBackend.run``'s loop makes one."""
+    on a cluster sim and routing of its own (``routed_at``: a replayed trace's for its pipeline
+    rank, ``trace_routing``; by default the synthetic workload's), each step as ``SimBackend.run``'s
+    loop makes one."""
     sim = ClusterSim(scenario, profile, pipeline_stage=True)
-    routed_at = routing_source(controller_scenario(scenario))
+    replay = routed_at is not None
+    routed_at = routed_at or routing_source(controller_scenario(scenario))
     times: list[float] = []
 
     def run_step(step: int) -> SimulatedStage:
@@ -370,7 +451,7 @@ def stage_runner(scenario: Scenario, profile: MachineProfile):
         record = _record(step, sim, d, fig, faults)
         times.append(record.step_time_s)
         return SimulatedStage(record, memory_breakdown(sim, d, phases, fullest), phases, tl, sim.layout, sim.builder,
-                              fullest)
+                              fullest, replay)
     return run_step
 
 
@@ -387,12 +468,15 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
     trace then reuses its counts), a new one by default."""
     if ledger is None:
         ledger = ByteLedger(sim.layout, None, reduce_scatter_runs_as_all_reduce(sim.profile))
-    moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves] + [f.prefetch_moves for f in d.forward]
-    for f in d.forward:
+    # a replayed step of several micro-batches: every one's layers (``decide_step``)
+    forwards = d.forward + [f for mb in sim.later_micro_batches for f in mb.forward]
+    backwards = list(d.backward.values()) + [b for mb in sim.later_micro_batches for b in mb.backward.values()]
+    moves = [d.sync.page_moves, d.end.page_moves, d.heat_moves] + [f.prefetch_moves for f in forwards]
+    for f in forwards:
         for op in f.route_ops + f.refresh_ops + f.dispatch_ops + f.combine_ops + [o for ops in f.dense_ops for o in ops]:
             ledger.add_op(op)
         moves.append(f.page_moves)
-    for b in d.backward.values():
+    for b in backwards:
         for op in b.combine_backward_ops + b.dispatch_backward_ops + [o for ops in b.dense_ops for o in ops]:
             ledger.add_op(op)
         moves.append(b.page_moves)
@@ -414,8 +498,8 @@ def _record(step: int, sim: ClusterSim, d: StepDecisions, fig, faults, ledger: B
         bytes_by_stage={k: int(v) for k, v in ledger.by_stage.items()},
         bytes_by_level=ledger.level_dict(),
         peak_memory_bytes=fig.peak_memory_bytes,
-        routed_slots=int(sum(f.routed.sum() for f in d.forward)),
-        dropped_slots=int(sum(f.dropped_slots for f in d.forward)),
+        routed_slots=int(sum(f.routed.sum() for f in forwards)),
+        dropped_slots=int(sum(f.dropped_slots for f in forwards)),
         page_moves=sum(len(ranks) * page_move_count(m) for ranks, m in groups),
         page_bytes=int(pcie),
         page_stall_s=fig.page_stall_s,

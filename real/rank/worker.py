@@ -41,7 +41,9 @@ replica, else the kept slots of every rank; at each heat update those of the ste
 the last one are summed over ranks (the planner's ``heat_ops``, one all-reduce in the
 ``heat`` stage) so that every rank's controller is told the same (M18); with one replica
 and kept slots the route all-gather already told every rank. Each rank keeps its own routed counts; the run's routing trace is gathered
-from every rank when the run ends (the testbed's bookkeeping, not training traffic).
+from every rank when the run ends (the testbed's bookkeeping, not training traffic). With m > 1
+micro-batches it holds each micro-batch's counts too (``micro_routed``, testbed.run.routing_trace),
+which the simulator replays micro-batch by micro-batch on each pipeline rank.
 
 The rank's state (weights, pager, groups, collectives) is a ``RankState``.
 """
@@ -108,6 +110,9 @@ class RankRunner:
         self.task = TokenTask(data) if scenario.transformer.enabled else SyntheticTask(data)
         self.world = scenario.world_size
         self.routing: list[np.ndarray] = []  # this rank's routed counts [L, E] per step
+        #: m > 1 micro-batches: this rank's routed counts of each [m, L, E] per step, for the routing
+        #: trace's micro_routed (testbed.run.routing_trace); a resumed run has none of the steps before
+        self.micro_routing: list[np.ndarray] = []
         self.fanouts: list[np.ndarray] = []  # deepep: this rank's fanout [L, P + A] per step
         self.trace: list[dict] = []
         self.communicator_bytes = load_profile(scenario.cluster.profile).collectives.communicator_MiB * 2**20
@@ -274,6 +279,8 @@ class RankRunner:
             self.trace.append({"name": name, "ph": "X", "pid": self.global_rank, "tid": stream_of(name),
                                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"step": step}})
         self.routing.append(routed)
+        if m > 1:
+            self.micro_routing.append(np.stack([mb.routed for mb in micro]))  # [m, L, E]
         if micro[0].fanout is not None:  # deepep: what each layer's dispatches shared, for the routing trace
             self.fanouts.append(sum(mb.fanout for mb in micro))
         states = heat.state_counts() if heat is not None else None
@@ -507,6 +514,10 @@ class RankRunner:
         dist.gather_object(self.routing, routing, dst=0)
         fanouts = [None] * world if lead else None
         dist.gather_object(self.fanouts, fanouts, dst=0)
+        # each micro-batch's routing when every step's is here (a resumed run's earlier steps are not)
+        whole_micro = self.micro_batches > 1 and len(self.micro_routing) == len(self.routing)
+        micro = [None] * world if lead else None
+        dist.gather_object(self.micro_routing if whole_micro else [], micro, dst=0)
         captured = [None] * world if lead else None
         if self.capture is not None:
             dist.gather_object(self.capture, captured, dst=0)
@@ -514,7 +525,10 @@ class RankRunner:
             return {}
         trace = [e for per_rank in events for e in per_rank]
         steps = len(self.routing)
-        return {"trace": trace, "routing": self._whole_model(routing) if steps else None,
+        whole = self._whole_model(routing) if steps else None
+        if steps and all(len(r) == steps for r in micro):  # [S, m, L, W, E]: RoutingTrace keeps the axis
+            whole = np.moveaxis(self._whole_model([[x.swapaxes(0, 1) for x in r] for r in micro]), 3, 1)
+        return {"trace": trace, "routing": whole,
                 "fanout": self._whole_model(fanouts) if steps and fanouts[0] else None,
                 "group_create_s": self.st.groups.created_s, "group_create_bytes": self.st.groups.created_bytes,
                 "first_step": self.first_step,

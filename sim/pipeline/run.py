@@ -29,14 +29,19 @@ output head and the loss with the last). A step runs m micro-batches of
 What it changes in a step's record: the step time; stage times of the micro-batch stages
 (route to dense_backward) times m, the most of any simulated stage (the gradient sync,
 optimizer and heat run once per step); bytes of every rank's simulated stage, micro-batch
-stages times m; the share of the step from fitted constants (``whole_step_fitted_share``,
-the most of any stage); the memory of the fullest rank (``sim.pipeline.stage_memory``: the
-embedding and head it holds, the activations its schedule keeps in flight) and its
-breakdown. ``extra["pipeline"]`` has the schedule per stage (docs/simulator.md, Pipelines).
+stages times m (a replayed trace's stages counted each of their micro-batches, each pipeline
+rank simulated with its own routing), the dense sync of the embedding and head only where a
+rank holds them (``sim.pipeline.stage_bytes``); the share of the step from fitted constants
+(``whole_step_fitted_share``, the most of any stage); the memory of the fullest rank
+(``sim.pipeline.stage_memory``: the embedding and head it holds, the activations its
+schedule keeps in flight) and its breakdown. ``extra["pipeline"]`` has the schedule per
+stage (docs/simulator.md, Pipelines).
 Left out: stages' traffic sharing links with each other, the sends' own bytes in the byte
-counts (they are in ``extra["pipeline"]``), the gradient sync of an embedding or head a rank
-does not hold (its simulated stage's). The network counters (wire bytes, link utilisation,
-hottest links) saw one stage's micro-batch, so a pipelined run reports none.
+counts (they are in ``extra["pipeline"]``), the time of the gradient sync of an embedding
+or head a rank does not hold (its simulated stage's; not its bytes), a replayed trace's
+micro-batches after the first in the timing (micro-batch 0's routing times every one). The
+network counters (wire bytes, link utilisation, hottest links) saw one stage's micro-batch,
+so a pipelined run reports none.
 """
 
 from __future__ import annotations
@@ -51,13 +56,14 @@ from sim.network.collective_model import CollectiveModel
 from sim.network.network import Network
 from sim.pipeline.dualpipe import PARAMETER_COPIES, run_dualpipe
 from sim.pipeline.schedule import run_pipeline
+from sim.pipeline.stage_bytes import rank_bytes
 from sim.pipeline.stage_memory import embedding_head_delta, in_flight_bytes
 from sim.pipeline.stage_work import MICRO_BATCH_STAGES, RankWork, SimulatedStage, StageCuts, pair_seconds
 from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
 from sim.step.step_report import fitted_by_rank
 from testbed.model.mtp_layers import mtp_modules
-from testbed.policy.collectives import ByteLedger, CollectiveOp, reduce_scatter_runs_as_all_reduce
+from testbed.policy.collectives import CollectiveOp, reduce_scatter_runs_as_all_reduce
 from testbed.policy.combined_1f1b import check_combined_1f1b, combined_1f1b
 from testbed.policy.pipeline_stages import PipelineStages, dualpipe
 from testbed.scenario.scenario import Scenario
@@ -149,10 +155,13 @@ class PipelinedStep:
         record.fitted_share = max(whole_step_fitted_share(x.phases, x.tl, m, record.step_time_s) for x in sims)
         record.stage_time_s = {k: max(x.record.stage_time_s.get(k, 0.0) for x in sims)
                                * (m if k in MICRO_BATCH_STAGES else 1) for k in record.stage_time_s}
-        counts = [len(st.ranks_of(k)) for k in range(len(sims))]
-        record.bytes_by_stage = {k: sum(n * x.record.bytes_by_stage.get(k, 0) for n, x in zip(counts, sims))
-                                 * (m if k in MICRO_BATCH_STAGES else 1) for k in record.bytes_by_stage}
-        record.bytes_by_level = self._levels(sims, counts)
+        by_stage, by_level = {}, {}  # every pipeline rank's (sim.pipeline.stage_bytes)
+        for rank, k in zip(st.ranks, st.simulated):
+            stages, levels = rank_bytes(sims[k], rank, m, self.rs_as_ar)
+            for total, part in ((by_stage, stages), (by_level, levels)):
+                for key, value in part.items():
+                    total[key] = total.get(key, 0) + int(value)
+        record.bytes_by_stage, record.bytes_by_level = by_stage, by_level
         record.wire_bytes_by_level = None  # the stages' network counters saw one micro-batch
         peaks, breakdowns, held = [], [], []
         for r, (rank, k, w) in enumerate(zip(st.ranks, st.simulated, work)):
@@ -219,19 +228,3 @@ class PipelinedStep:
         if self.dualpipe:
             return "dualpipe"
         return "interleaved" if self.s.parallelism.pp_chunks > 1 else "1f1b"
-
-    def _levels(self, sims: list[SimulatedStage], counts: list[int]) -> dict:
-        """Bytes by link level of every rank's stage: the once-per-step phases' once, the others
-        m times."""
-        m = self.s.transformer.micro_batches
-        total: dict = {}
-        for x, n in zip(sims, counts):
-            once = ByteLedger(x.layout, None, self.rs_as_ar)
-            for ph in x.phases:
-                if ph.kind == "ops" and ph.stage not in MICRO_BATCH_STAGES:
-                    for op in ph.ops:
-                        once.add_op(op)
-            once_levels = once.level_dict()
-            for lvl, b in x.record.bytes_by_level.items():
-                total[lvl] = total.get(lvl, 0) + n * (once_levels.get(lvl, 0) + m * (b - once_levels.get(lvl, 0)))
-        return total

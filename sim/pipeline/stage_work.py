@@ -68,7 +68,9 @@ FORWARD_STAGES = tuple(st for st in MICRO_BATCH_STAGES if st not in BACKWARD_STA
 class SimulatedStage:
     """One simulated step of a stage scenario: its record and memory breakdown (of GPU
     ``fullest``), phases, timeline, layout and phase builder (``builder.dense``: the dense
-    work's closed forms; ``builder.head_phases``)."""
+    work's closed forms; ``builder.head_phases``). ``micro_batches_counted``: a replayed
+    trace's stage, whose record's bytes count every micro-batch of the step, each decided
+    from its own counts (``sim.backend.decide_step``); else they are one micro-batch's."""
 
     record: StepRecord
     breakdown: dict
@@ -77,6 +79,7 @@ class SimulatedStage:
     layout: object
     builder: object
     fullest: int
+    micro_batches_counted: bool = False
 
 
 @dataclass(frozen=True)

@@ -243,8 +243,15 @@ def _check_pipeline(s: "Scenario") -> None:
     elif whole_sequences and tokens % (t.micro_batches * t.seq_len):
         raise ScenarioError("transformer.micro_batches", t.micro_batches, f"workload.tokens_per_rank = "
                             f"{tokens} is not a multiple of micro_batches x seq_len")
-    refused = (("pager.enabled", s.pager.enabled, "paging across micro-batches is not modelled"),
-               ("workload.trace", s.workload.trace, "a trace holds whole steps' routing, not one stage's"),
+    # a trace (workload.trace) is replayed micro-batch by micro-batch on each pipeline rank; its
+    # shape (a stage's ranks, each micro-batch's counts) is checked where it is read
+    # (testbed.run.routing_trace.RoutingTrace.check_fits)
+    refused = (("pager.enabled", s.pager.enabled,
+                "paging is not modelled there: the pager would need each stage's page accesses, prefetches "
+                "and evictions decided micro-batch by micro-batch in that stage's 1F1B order (the simulator "
+                "times one micro-batch a stage), a layer's pages kept until every micro-batch in flight that "
+                "used them has run its backward, and the page copies timed across the interleaved forwards "
+                "and backwards"),
                ("overlap.micro_batches", s.overlap.micro_batches if s.overlap.micro_batches > 1 else 0,
                 "M22's micro-batches inside a layer are not combined with the pipeline's"))
     for name, value, why in refused:

@@ -6,9 +6,12 @@ F1 B1 ...), the gradients of the four backwards accumulated and one optimizer st
 
 Against the one-stage run of the same tokens in one micro-batch (EP 2 on 2 ranks, all four
 layers): the same loss every step, and the same routing - the trace holds each step's counts
-as the micro-batches' summed - whose simulator replay moves the same bytes but for the route
-all-gathers, which a pipeline stage runs once per micro-batch. Four stages on 8 ranks, with
-fewer and more micro-batches than stages, give the one-stage losses too.
+as the micro-batches' summed, and each micro-batch's besides (``micro_routed``). The
+simulator's replay of the pipelined scenario on that trace, each pipeline rank replaying each
+micro-batch, moves the pipelined run's bytes exactly, every stage and link level; the one-stage
+replay moves the same but for the route all-gathers, which a pipeline stage runs once per
+micro-batch. Four stages on 8 ranks, with fewer and more micro-batches than stages, give the
+one-stage losses too.
 
 Scaling: micro-batch i's backward starts from its mean loss over its T/m tokens divided by
 the ranks and by m, so the m gradients sum to that of the step's mean over its T tokens,
@@ -26,6 +29,7 @@ import pytest
 from real.backend import RealBackend
 from testbed.core.errors import RunError
 from testbed.run.backend import get_backend
+from testbed.run.routing_trace import RoutingTrace
 from testbed.scenario.scenario import Scenario
 
 M = 4  # micro-batches a step
@@ -73,8 +77,10 @@ def runs(tmp_path_factory):
     one = RealBackend().run(one_stage(s), debug={"capture": True})
     pp = RealBackend().run(s, run_dir=tmp / "straight", debug={"capture": True})
     pp.routing.save(tmp / "straight")  # as the runner writes it into the run folder
-    replay = get_backend("sim").run(one_stage(s).replace(workload={"trace": str(tmp / "straight")}))
-    return tmp, s, one, pp, replay
+    trace = {"trace": str(tmp / "straight")}
+    flat = get_backend("sim").run(one_stage(s).replace(workload=trace))  # the step's counts, summed
+    piped = get_backend("sim").run(s.replace(workload=trace, checkpoint={"enabled": False}))  # each micro-batch's
+    return tmp, s, one, pp, (flat, piped)
 
 
 @pytest.mark.slow
@@ -121,45 +127,52 @@ def test_the_first_steps_accumulated_gradients_are_the_one_stage_runs(runs, floa
 
 
 @pytest.mark.slow
-def test_the_routing_trace_holds_the_micro_batches_counts_summed(runs):
+def test_the_routing_trace_holds_the_micro_batches_counts_and_their_sum(runs):
     """[steps, the model's 4 layers, a stage's 2 ranks, 4 experts]: stage k's ranks route layers
     2k, 2k + 1; each micro-batch routes its own 32 tokens (top-2: 64 slots a layer), their sum is
-    the step's row, and the whole is the one-stage run's trace."""
-    _, s, one, pp, _ = runs
-    trace = pp.routing.routed
+    the step's row, and the whole is the one-stage run's trace. Each micro-batch's counts are kept
+    as well ([steps, m, layers, ranks, experts]) and read back from the run folder; the one-stage
+    run, of one micro-batch, keeps none."""
+    tmp, s, one, pp, _ = runs
+    trace, micro_trace = pp.routing.routed, pp.routing.micro_routed
     assert trace.shape == (s.run.steps, 4, 2, 4) and pp.routing.tokens_per_rank == 128
+    assert micro_trace.shape == (s.run.steps, M, 4, 2, 4)
     for rank, cap in enumerate(pp.captured):
         stage, local = divmod(rank, 2)
         micro = np.stack(cap["micro_routed"])  # [steps, m, 2 layers, E]
         assert micro.shape == (s.run.steps, M, 2, 4)
         assert (micro.sum(axis=-1) == 128 // M * s.model.top_k).all()
         assert np.array_equal(trace[:, 2 * stage:2 * stage + 2, local], micro.sum(axis=1))
+        assert np.array_equal(micro_trace[:, :, 2 * stage:2 * stage + 2, local], micro)
         assert len({micro[:, i].tobytes() for i in range(M)}) == M  # the micro-batches route differently
-    assert np.array_equal(trace, one.routing.routed)
+    assert np.array_equal(trace, one.routing.routed) and one.routing.micro_routed is None
+    saved = RoutingTrace.load(tmp / "straight")
+    assert np.array_equal(saved.routed, trace) and np.array_equal(saved.micro_routed, micro_trace)
 
 
 @pytest.mark.slow
-def test_the_replay_moves_the_same_bytes_but_each_micro_batchs_route_all_gather(runs):
-    """The simulator's replay of the trace (of the one-stage scenario: a pipelined scenario takes
-    no trace, testbed.scenario) moves the one-stage run's bytes; the pipeline's are the same,
-    every stage and link level, but for the route all-gathers of the counts, once per micro-batch
-    and layer (E int32 over each EP group, inside a node: NVLink). Dropless: the token rows of the
-    four micro-batches add up to the one micro-batch's. The stages' activations and gradients
-    (T x H fp32 each way per rank pair and step) are counted apart, as the simulator's pipeline
-    counts them: the same per GPU as its sends."""
-    _, s, one, pp, replay = runs
-    for a, b, r in zip(one.records, pp.records, replay.records, strict=True):
+def test_the_pipelined_replay_moves_the_same_bytes_every_stage_and_link_level(runs):
+    """The simulator's replay of the trace on the pipelined scenario (each pipeline rank each
+    micro-batch's counts, testbed.run.routing_trace) moves exactly the pipelined run's bytes,
+    every stage and link level, route all-gathers included (once per micro-batch and layer). The
+    replay of the one-stage scenario moves the one-stage run's bytes, which are the pipeline's but
+    for those all-gathers (E int32 over each EP group, inside a node: NVLink); dropless, the token
+    rows of the four micro-batches add up to the one micro-batch's. The stages' activations and
+    gradients (T x H fp32 each way per rank pair and step) are counted apart, as the simulator's
+    pipeline counts them: the same per GPU as its sends."""
+    _, s, one, pp, (flat, piped) = runs
+    for a, b, r, q in zip(one.records, pp.records, flat.records, piped.records, strict=True):
+        assert b.bytes_by_stage == q.bytes_by_stage and b.bytes_by_level == q.bytes_by_level
         assert a.bytes_by_stage == r.bytes_by_stage and a.bytes_by_level == r.bytes_by_level
         route = r.bytes_by_stage["route"]
         assert route == 4 * 2 * 4 * 4  # layers x ranks x E x int32
         assert b.bytes_by_stage == dict(r.bytes_by_stage, route=M * route)
         assert b.bytes_by_level == dict(r.bytes_by_level, nvlink=r.bytes_by_level["nvlink"] + (M - 1) * route)
-        assert b.page_moves == r.page_moves == 0 and b.dropped_slots == r.dropped_slots == 0
+        assert b.page_moves == r.page_moves == q.page_moves == 0 and b.dropped_slots == r.dropped_slots == 0
         assert b.bytes_by_stage["dispatch"] > 0 and b.bytes_by_stage["dense_sync"] > 0
         assert b.extra["pipeline_sent_bytes"] == 4 * 128 * 32 * 4
-    sim = get_backend("sim").run(s.replace(checkpoint={"enabled": False}))  # the simulator's own pipeline
-    assert sim.extra["pipeline"]["send_bytes_per_gpu"] * s.world_size == 4 * 128 * 32 * 4
-    assert sim.extra["pipeline"]["in_flight"] == [2, 1]  # 1F1B: stage 0 holds two micro-batches, stage 1 one
+    assert piped.extra["pipeline"]["send_bytes_per_gpu"] * s.world_size == 4 * 128 * 32 * 4
+    assert piped.extra["pipeline"]["in_flight"] == [2, 1]  # 1F1B: stage 0 holds two micro-batches, stage 1 one
 
 
 @pytest.mark.slow
