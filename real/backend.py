@@ -97,22 +97,27 @@ def check_runnable(scenario: Scenario) -> None:
 
 def _check_model_features(s: Scenario) -> None:
     """The models people train (issue 24) with the parallelism the real backend runs them
-    under: MLA, an output-projection bias, shared experts and MTP on whole ranks (no tensor
-    parallelism: MLA's latents and the output bias would be replicated across a group, their
-    gradients summed over it, which the planner does not plan; shared experts are split over
-    the group in the plan, as Megatron-Core splits them, and whole on these ranks), MTP and dense-first layers on one
+    under: MLA, an output-projection bias and MTP on whole ranks (no tensor parallelism: MLA's
+    latents and the output bias would be replicated across a group, their gradients summed
+    over it, which the planner does not plan); shared experts split over a tensor-parallel
+    group (``real.rank.shared_experts``) with sequence parallelism only (without it the plan
+    all-reduces their output on the group's replicated rows, which these ranks' MoE layers do
+    not get) and without their gate (whole on every member, each computing its gradient on its
+    own rows: Megatron-Core sums it over the group, ``gate_weight.sequence_parallel``, the plan
+    only over the GPUs of one tensor-parallel index); MTP and dense-first layers on one
     pipeline stage, and MLA's RoPE on pairs of dimensions."""
     t, p = s.transformer, s.parallelism
     whole_ranks = (("transformer.attention", t.attention == "mla" and t.attention),
-                   # the simulator plans Megatron-Core's split shared experts (an MLP split over the group,
-                   # testbed.policy.tensor_parallel_ops); these ranks would run them whole, moving other bytes
-                   ("model.shared_experts", s.model.shared_experts),
+                   ("model.shared_expert_gate", s.model.shared_experts and s.model.shared_expert_gate),
                    ("transformer.attention_bias", t.attention_bias == "all" and t.attention_bias),
                    ("transformer.mtp_layers", t.mtp_layers))
     for name, value in whole_ranks:
         if value and p.tp_size > 1:
             raise ScenarioError(name, value, "the real backend runs it without tensor parallelism "
                                 "(parallelism.tp_size = 1); --backend sim models it")
+    if s.model.shared_experts and p.tp_size > 1 and not p.sequence_parallel:
+        raise ScenarioError("model.shared_experts", s.model.shared_experts, "the real backend splits them over "
+                            "a tensor-parallel group with parallelism.sequence_parallel only; --backend sim models it")
     for name, value in (("transformer.mtp_layers", t.mtp_layers), ("transformer.first_dense_layers",
                                                                     t.first_dense_layers)):
         if value and p.pp_size > 1:

@@ -188,13 +188,18 @@ class GradientSync:
         """The weights whose gradients bucket ``op`` sums, last layer first (``Planner.bucket_part``)."""
         st, part = self.st, Planner.bucket_part(op)
         out = []
+        split = st.shared is not None and st.shared.split  # tensor parallel: shards of the shared experts
         for layer in reversed(Planner.bucket_layers(op)):
-            if part in ("all", "routers"):  # the MoE layer's replicated weights: its router's, its shared experts'
+            shared = [p for _, p in st.shared.named_layer_params(layer)] if st.shared is not None else []
+            if part in ("all", "routers"):  # the MoE layer's replicated weights: its router's, whole shared experts'
                 out += list(st.router[layer])
-                if st.shared is not None:
-                    out += [p for _, p in st.shared.named_layer_params(layer)]
-            if part in ("all", "dense") and st.dense is not None:
-                out += st.dense.layer_params(layer)
+                if not split:
+                    out += shared
+            if part in ("all", "dense"):  # split shared experts' shards sum with the dense ones (block_grad_bytes)
+                if split:
+                    out += shared
+                if st.dense is not None:
+                    out += st.dense.layer_params(layer)
         return out
 
     def _issue_bucket(self, k: int) -> None:

@@ -143,8 +143,10 @@ class RankState:
         self.weight_copy_bytes = 0  # device bytes of expert weights copied to be computed on
         self.last_other_bytes = 0.0  # bytes besides pages at the last step's peak (M15's model on CPU)
         self._dense_params: list[torch.Tensor] | None = None
-        #: every MoE layer's shared experts (model.shared_experts), replicated on every rank
-        self.shared = (SharedExperts(s, m.num_layers, self.dtype, self.device, self.layer_offset)
+        #: every MoE layer's shared experts (model.shared_experts): whole on every rank, or split over its
+        #: tensor-parallel group as the dense FFNs are
+        self.shared = (SharedExperts(s, m.num_layers, self.dtype, self.device, self.layer_offset,
+                                     tp=self._tensor_group(), clock=self.clock)
                        if m.shared_experts else None)
         # the whole transformer's dense weights (issue 13) and the optimizer's state
         self.dense = (DenseModel(self.model or s, self.dtype, self.device, self._tensor_group(), place,

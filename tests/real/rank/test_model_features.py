@@ -15,7 +15,8 @@ the last step (fp32, within the dtype's error bound, ``tests/conftest.py``).
   exchange and expert sync), a dense-first layer, SwiGLU, a shared expert, DeepSeek-V3's
   router (sigmoid, groups, bias balancing), on two EP replicas.
 - Tensor parallelism: the features that split by heads and columns (head_dim, Q/K/V
-  biases, SwiGLU dense FFNs) with shared experts replicated, TP 2 against TP 1.
+  biases, SwiGLU dense FFNs), TP 2 against TP 1 (split shared experts:
+  tests/real/rank/test_shared_experts_tensor_parallel.py).
 """
 
 import pytest
@@ -146,8 +147,8 @@ def test_mla_and_mtp_match_the_reference(tmp_path, q_lora_rank, float_bound):
 def test_tensor_parallel_features_compute_what_whole_ranks_do(tmp_path, float_bound):
     """TP 2 (groups {0, 1} and {2, 3}) with sequence parallelism: Q, K, V and their biases
     split by heads of head_dim 12, SwiGLU dense FFNs by columns (gate and up) and rows,
-    and a dense-first layer: the same losses as TP 1, to float rounding. (Shared experts under
-    TP are refused: the plan splits them as Megatron-Core does, these ranks would not.)"""
+    and a dense-first layer: the same losses as TP 1, to float rounding (shared experts split
+    under TP: tests/real/rank/test_shared_experts_tensor_parallel.py)."""
     base = scenario(tmp_path, world=4, model={"ffn_activation": "swiglu"},
                     transformer=transformer(head_dim=12, attention_bias="qkv", first_dense_layers=1, moe_every=2,
                                             dense_ffn_hidden_size=40),
@@ -172,8 +173,8 @@ def test_tokens_ahead_stay_inside_their_sequence():
      "transformer.attention"),
     ({"transformer": transformer(attention_bias="all"), "parallelism": {"tp_size": 2}}, "transformer.attention_bias"),
     ({"transformer": transformer(mtp_layers=1), "parallelism": {"tp_size": 2}}, "transformer.mtp_layers"),
-    ({"transformer": transformer(), "model": {"shared_experts": 1}, "parallelism": {"tp_size": 2}},
-     "model.shared_experts"),
+    ({"transformer": transformer(), "model": {"shared_experts": 1, "shared_expert_gate": True},
+      "parallelism": {"tp_size": 2}}, "model.shared_expert_gate"),
     ({"transformer": transformer(mtp_layers=1), "parallelism": {"pp_size": 2}, "pager": {"enabled": False},
       "comm": {"expert_sync": "allreduce"}}, "transformer.mtp_layers"),
     ({"transformer": transformer(first_dense_layers=1), "parallelism": {"pp_size": 2}, "pager": {"enabled": False},
