@@ -140,6 +140,14 @@ class ComputeModel:
                      for k, n in linears)
         return nbytes / self.memory_bw * self.scale
 
+    def memory_seconds(self, nbytes):
+        """Seconds of memory-bound kernels that read and write ``nbytes`` bytes in all
+        (``testbed.model.memory_bound_kernels``) at the profile's memory bandwidth: a number,
+        or an array of them (one per rank). Their launches are not added: they are queued
+        behind the GEMMs around them (module doc)."""
+        seconds = np.asarray(nbytes, dtype=np.float64) / self.memory_bw * self.scale
+        return float(seconds) if seconds.ndim == 0 else seconds
+
     def router_time(self, tokens: int, hidden: int, experts: int) -> float:
         """Gate GEMM (tokens x H times H x E, a dense GEMM: the ``dense`` efficiency of
         ``tokens`` rows, reading the activations, or one launch, whichever is slowest)

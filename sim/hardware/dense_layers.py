@@ -95,7 +95,13 @@ from collections import Counter
 import numpy as np
 
 from sim.hardware.compute import ComputeModel
-from testbed.model.fp8_casts import linears_copy_bytes
+from testbed.model.fp8_casts import cached_input_bytes, linears_copy_bytes
+from testbed.model.memory_bound_kernels import (
+    attention_sublayer_bytes,
+    dense_ffn_sublayer_bytes,
+    loss_bytes,
+    moe_norm_residual_bytes,
+)
 from testbed.model.mtp_layers import mtp_block_params, mtp_modules
 from testbed.model.recompute_modules import LayerRecompute, RecomputeWork
 from testbed.model.transformer_shape import attention_core_flops
@@ -158,7 +164,9 @@ class DenseLayers:
                           "tp": p.tp_size,
                           # Ulysses: each GPU its own rows, as sequence parallelism (module doc)
                           "sequence_parallel": p.sequence_parallel or is_ulysses(s), "recompute": self.recompute, "flash": True,
-                          "recompute_modules": self.modules, "dtype_bytes": m.dtype_bytes}
+                          "recompute_modules": self.modules, "dtype_bytes": m.dtype_bytes,
+                          # fp8 GEMMs: the linears' inputs kept quantized (testbed.model.fp8_casts)
+                          "fp8_input_bytes": cached_input_bytes(m.fp8_scaling) if compute.fp8 else 0.0}
         self._core = {}  # sliding -> forward seconds of one layer's attention core (_attention_parts)
         self._attention = {w: self._attention_parts(w) for w in (False, True)}
         ffn_linears = shape.ffn_linears(shape.dense_ffn)
@@ -166,6 +174,13 @@ class DenseLayers:
                      compute.linears_cast_seconds(tokens, ffn_linears),
                      compute.linears_cast_seconds(tokens, ffn_linears, backward=True))
         self._attention_copies = self._copies(shape.attention_linears)
+        #: memory-bound kernels (testbed.model.memory_bound_kernels) on the rank's tokens, (forward,
+        #: backward) seconds: of an attention sublayer, a dense-FFN sublayer, an MoE FFN's norm and residual
+        self._kernels = {name: (compute.memory_seconds(tokens * k.forward_token),
+                                compute.memory_seconds(tokens * k.backward_token))
+                         for name, k in (("attention", attention_sublayer_bytes(shape, m.dtype_bytes)),
+                                         ("ffn", dense_ffn_sublayer_bytes(shape, m.dtype_bytes)),
+                                         ("moe", moe_norm_residual_bytes(shape, m.dtype_bytes)))}
         self._ffn_copies = self._copies(ffn_linears)
         #: per MoE layer (the model's L, then the D MTP modules'): forward and backward seconds of
         #: its block, the activation bytes it keeps from its forward to its backward, and what it
@@ -184,8 +199,9 @@ class DenseLayers:
         #: the output head's forward (the embedding is a lookup) and backward seconds: the model's
         #: and each MTP module's, after the last MoE layer
         head = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens, kernel="dense")
-        self.head_forward_s = (1 + mtp) * head
-        self.head_backward_s = 2.0 * self.head_forward_s
+        loss = loss_bytes(t.vocab_size, m.dtype_bytes)  # the cross-entropy's memory-bound kernels
+        self.head_forward_s = (1 + mtp) * (head + compute.memory_seconds(tokens * loss.forward_token))
+        self.head_backward_s = (1 + mtp) * (2.0 * head + compute.memory_seconds(tokens * loss.backward_token))
         #: logits kept for the loss's backward (the model's and each MTP module's)
         self.head_activation_bytes = (1 + mtp) * tokens * t.vocab_size * m.dtype_bytes
         self.head_held_bytes = self.head_activation_bytes
@@ -273,8 +289,11 @@ class DenseLayers:
         gemm = grouped_sum(parts, lambda k: piece(k)[0])
         cast_f = sum(piece(k)[1] for k in parts)
         cast_b = sum(piece(k)[2] for k in parts)
-        forward = gemm + cast_f
-        backward = 2.0 * gemm + cast_b + (forward if self.recompute else 0.0)
+        kernels = [k[0] for k in parts] + ["moe"] * sum(shape.is_moe_layer(i) for i in layers)
+        kernel_f = grouped_sum(kernels, lambda k: self._kernels[k][0])
+        kernel_b = grouped_sum(kernels, lambda k: self._kernels[k][1])
+        forward = gemm + cast_f + kernel_f
+        backward = 2.0 * gemm + cast_b + kernel_b + (forward if self.recompute else 0.0)
         if self.modules:  # each layer's recompute, before its backward (on the critical path)
             backward += grouped_sum([(shape.is_moe_layer(i), shape.is_sliding_layer(i)) for i in layers],
                                     lambda k: self.recompute_s(*k))
@@ -290,8 +309,9 @@ class DenseLayers:
         projection = [(2 * h, h)]
         attention = self._attention[False]
         gemm = c.gemm_time(2.0 * tokens * 2 * h * h, tokens, "dense", fp8=True) + attention[0]
-        forward = gemm + c.linears_cast_seconds(tokens, projection) + attention[1]
-        backward = 2.0 * gemm + c.linears_cast_seconds(tokens, projection, True) + attention[2] \
+        kernel_f, kernel_b = (self._kernels["attention"][i] + self._kernels["moe"][i] for i in (0, 1))
+        forward = gemm + c.linears_cast_seconds(tokens, projection) + attention[1] + kernel_f
+        backward = 2.0 * gemm + c.linears_cast_seconds(tokens, projection, True) + attention[2] + kernel_b \
             + (forward if self.recompute else 0.0)
         if self.modules:  # its layer's recompute (whole-sequence attention, an MoE FFN); the projection keeps its input
             backward += self.recompute_s(True, False)

@@ -43,7 +43,8 @@ before its all-reduce.
 from __future__ import annotations
 
 from sim.hardware.compute import ComputeModel
-from testbed.model.fp8_casts import linears_copy_bytes
+from testbed.model.fp8_casts import cached_input_bytes, linears_copy_bytes
+from testbed.model.memory_bound_kernels import shared_expert_bytes
 from testbed.model.whole_model import (
     dense_weight_split,
     moe_layer_shape,
@@ -79,6 +80,11 @@ class SharedExperts:
         bwd = (compute.linears_time(tokens, second_linears, backward=True, recompute=recompute)
                + (3.0 if recompute else 2.0) * gate_s,
                compute.linears_time(tokens, first_linears, backward=True, recompute=recompute))
+        # their activation, a memory-bound kernel (testbed.model.memory_bound_kernels), with the first GEMM
+        act = shared_expert_bytes(shape, m.dtype_bytes)
+        fwd = (fwd[0] + compute.memory_seconds(tokens * act.forward_token), fwd[1])
+        act_again = act.forward_token if recompute else 0.0  # full recompute runs it again, as its GEMMs
+        bwd = (bwd[0], bwd[1] + compute.memory_seconds(tokens * (act.backward_token + act_again)))
         self.forward_s, self.backward_s = fwd, bwd
         p = scenario.parallelism
         out_rows = 1 if p.sequence_parallel else p.tp_size  # without SP the group's rows, replicated (doc)
@@ -91,8 +97,10 @@ class SharedExperts:
         if self.recomputes:
             again = self.recomputes * (fwd[0] + fwd[1])
             self.backward_s = (bwd[0] + again, bwd[1])
-        if modules:  # per GPU the same tensors' bytes under sequence parallelism (module doc)
-            saved = recompute_savings(shape_of(scenario), True, modules, t.seq_len, m.dtype_bytes).shared
+        fp8_input = cached_input_bytes(m.fp8_scaling) if compute.fp8 and not recompute else 0.0
+        if modules or fp8_input:  # per GPU the same tensors' bytes under sequence parallelism (module doc)
+            saved = recompute_savings(shape_of(scenario), True, modules, t.seq_len, m.dtype_bytes,
+                                      fp8_input_bytes=fp8_input).shared
             self.activation_bytes = max(self.activation_bytes - tokens * saved, 0.0)
         self.params = shared_expert_params_per_gpu(scenario)  # 1/tp of their FFNs, the gate whole
         if compute.fp8:

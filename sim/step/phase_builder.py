@@ -92,7 +92,8 @@ from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy,
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
 from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
-from testbed.model.fp8_casts import linears_copy_bytes
+from testbed.model.fp8_casts import cached_input_bytes, linears_copy_bytes
+from testbed.model.memory_bound_kernels import expert_row_kernel_bytes, router_bytes, token_slot_bytes
 from testbed.model.recompute_modules import LayerRecompute
 from testbed.model.whole_model import (
     block_grad_bytes,
@@ -176,6 +177,21 @@ class PhaseBuilder:
         # pages an expert's weights are read or updated in (real/paging/paged_store.py); unpaged: one tensor
         self.pages_per_expert = -(-m.expert_bytes // self.page_bytes) if scenario.pager.enabled else 0
         self.router_s = np.full(w, compute.router_time(scenario.workload.tokens_per_rank, m.hidden_size, m.num_experts))
+        #: memory-bound kernels (testbed.model.memory_bound_kernels): in the route, the router's softmax and
+        #: top-k on the rank's tokens and the permutation and its inverse of their top_k slots each (the
+        #: inverse runs after the combine; timed here); per expert row its activation, and its sort by
+        #: local expert when the GPU holds more than one and rows arrive from other GPUs
+        shape = moe_layer_shape(scenario)
+        router_kernels, slots = router_bytes(shape), token_slot_bytes(shape, m.dtype_bytes)
+        tokens = scenario.workload.tokens_per_rank
+        kernel_f = tokens * (router_kernels.forward_token + m.top_k * slots.forward_row)
+        kernel_b = tokens * (router_kernels.backward_token + m.top_k * slots.backward_row)
+        #: the route's backward: the gate GEMM's two and the kernels' backward
+        self.router_backward_s = 2 * self.router_s + compute.memory_seconds(kernel_b)
+        self.router_s = self.router_s + compute.memory_seconds(kernel_f)
+        self.row_kernels = expert_row_kernel_bytes(shape, m.dtype_bytes,
+                                                   layout.ep_size > 1 and layout.experts_per_rank > 1,
+                                                   expert_ffn=m.ffn_hidden_size // layout.etp_size)
         self.router_grad_bytes = (m.hidden_size * m.num_experts + m.num_experts) * 4
         self.local = np.array([list(layout.local_experts(r)) for r in range(w)])  # [W, E/P]
         self.dense = DenseLayers(model or scenario, compute)  # the whole transformer's non-MoE work (issue 13)
@@ -215,11 +231,15 @@ class PhaseBuilder:
         self.row_bytes = self.full_row_bytes
         #: what moe's and moe_act's recomputes run again per token and row (the shared experts' aside)
         self.moe_work = self.moe_act_work = None
-        if not self.modules:
+        # fp8 GEMMs: the rows' GEMM inputs kept quantized (testbed.model.fp8_casts.cached_input_bytes)
+        fp8_input = cached_input_bytes(m.fp8_scaling) if self.compute.fp8 else 0.0
+        if not self.modules and not fp8_input:
             return
         shape, seq_len = expert_slice_shape(shape_of(scenario), self.etp), scenario.transformer.seq_len
-        saved = recompute_savings(shape, True, self.modules, seq_len, m.dtype_bytes)
+        saved = recompute_savings(shape, True, self.modules, seq_len, m.dtype_bytes, fp8_input_bytes=fp8_input)
         self.row_bytes = expert_row_bytes(m.hidden_size, self.expert_ffn, m.ffn_matrices, m.dtype_bytes, saved.row)
+        if not self.modules:
+            return
         routed = LayerRecompute(replace(shape, shared_experts=0), True, seq_len)  # the shared experts: theirs
         if "moe" in self.modules:  # its one token GEMM is the router's, timed as the route's (router_s)
             self.moe_work = routed.work("moe")
@@ -240,7 +260,9 @@ class PhaseBuilder:
         m = self.s.model
         gemm = self.compute.expert_times(rows, m.hidden_size, self.expert_ffn, self.s.sim.expert_kernel, backward,
                                          m.ffn_matrices)
-        return gemm + self.page_read_seconds(rows)
+        per_row = self.row_kernels.backward_row if backward else self.row_kernels.forward_row
+        kernels = self.compute.memory_seconds(rows.sum(axis=1) * per_row)
+        return gemm + kernels + self.page_read_seconds(rows)
 
     def page_read_seconds(self, rows: np.ndarray) -> np.ndarray:
         """[W] host seconds of reading the pages of every expert that computes, once
@@ -263,15 +285,13 @@ class PhaseBuilder:
 
     def activation_bytes(self, rows: np.ndarray) -> np.ndarray:
         """[W] bytes an MoE layer's forward keeps for its backward: its input and, per
-        expert row, the expert's input, first GEMM's output and output
+        expert row, the expert's input, first GEMM's output and activation
         (``testbed.model.whole_model.expert_row_elements``; with full recompute, the input
-        only; with recompute modules less what they free, ``row_bytes``). The shared
-        experts' are ``SharedExperts.activation_bytes``."""
+        only; with recompute modules less what they free, and with fp8 GEMMs the GEMM inputs
+        quantized: ``row_bytes``). The shared experts' are ``SharedExperts.activation_bytes``."""
         m = self.s.model
-        if self.modules:
-            return self.s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes + rows.sum(axis=1) * self.row_bytes
-        per_row = 0 if self.recompute else expert_row_elements(m.hidden_size, self.expert_ffn, m.ffn_matrices)
-        return (self.s.workload.tokens_per_rank * m.hidden_size + rows.sum(axis=1) * per_row) * m.dtype_bytes
+        per_row = 0.0 if self.recompute else self.row_bytes
+        return self.s.workload.tokens_per_rank * m.hidden_size * m.dtype_bytes + rows.sum(axis=1) * per_row
 
     def fp8_copy_bytes(self, rows: np.ndarray) -> np.ndarray:
         """[W] bytes of the fp8 weight copies of a layer's routed experts that compute (0
@@ -297,10 +317,11 @@ class PhaseBuilder:
         """``moe``'s recompute of layer ``fwd.layer``'s MoE FFN before its backward (module
         doc): the router, its dispatch, the experts (once the layer's pages are back:
         ``copy``) and its combine once more, in ``n`` micro-batches as the layer's exchange."""
-        w, c, work, layer = self.layout.world, self.compute, self.moe_work, fwd.layer
-        scores = kernel_seconds(c, np.full(w, self.s.workload.tokens_per_rank * work.token_kernel_elements))
-        self.chain("route_backward", layer, "compute", "compute", seconds=self.router_s + scores)
-        x = self.expert_seconds(rows, False) + kernel_seconds(c, rows.sum(axis=1) * work.row_kernel_elements)
+        w, layer = self.layout.world, fwd.layer
+        # the forward's own times again: the router's with its scores' and permutation's kernels, the
+        # experts' with their activations and sorts (testbed.model.memory_bound_kernels)
+        self.chain("route_backward", layer, "compute", "compute", seconds=self.router_s)
+        x = self.expert_seconds(rows, False)
         fitted = x if self.scale_fitted else self.page_read_seconds(rows)
         share = np.divide(fitted, x, out=np.zeros(w), where=x > 0)
         # the planner's ops once more, new objects (an op's members meet once per phase)
@@ -407,7 +428,7 @@ class PhaseBuilder:
                           shared=self.shared_parts(backward=True))
             self.host("route_backward", layer, tokens)
             freed = held[layer] + self.recomputed_bytes(rows[layer]) if self.moe_work is not None else held[layer]
-            self.chain("route_backward", layer, "compute", "compute", seconds=2 * self.router_s,
+            self.chain("route_backward", layer, "compute", "compute", seconds=self.router_backward_s,
                        mem_delta=self.router_grad_bytes - freed)
             if dense.enabled:  # the block's backward: its activations go, its gradients come
                 self.host("dense_backward", layer, tokens)

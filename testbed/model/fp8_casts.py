@@ -24,8 +24,11 @@ weight; ``tensor``: one per tensor (Transformer Engine's delayed scaling, whose 
 taken in the cast itself: no extra pass).
 
 The casts are memory-bound kernels: the simulator times their bytes at the device's
-memory bandwidth. Activations kept for the backward stay at the model dtype here
-(DeepSeek-V3 caches some in fp8: not modelled).
+memory bandwidth. Of the activations kept for the backward, the linears' inputs are kept
+quantized, as Transformer Engine keeps them for the weight gradient
+(``testbed.model.recompute_modules.FP8_CACHED_INPUTS``), at ``cached_input_bytes`` an
+element; the rest stay at the model dtype (DeepSeek-V3 §3.3.3 also caches its SwiGLU
+inputs in fp8: not modelled).
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def activation_scales(rows, cols: int, scaling: str, along_rows: bool = False):
     if along_rows:
         return cols * np.ceil(rows / TILE)
     return rows * -(-cols // TILE)
+
+
+def cached_input_bytes(scaling: str) -> float:
+    """Bytes an element of a linear's input kept quantized for the backward: one, and its
+    share of the scales (a 1 x 128 tile's fp32 scale; a tensor scale is none to speak of)."""
+    _check(scaling)
+    return FP8_BYTES + (SCALE_BYTES / TILE if scaling == "blockwise" else 0.0)
 
 
 def weight_scales(k: int, n: int, scaling: str) -> int:

@@ -55,9 +55,9 @@ modules whose recompute frees it, none: kept whatever is recomputed):
   (the fused up projections' norm outputs: ``mla_up_proj``, which runs them under
   ``no_grad``; none with ``norms_fused=False``, where they are the checkpoint's inputs).
 - ``query``, ``key``, ``value`` [split]: the core attention's inputs after RoPE, kept by
-  it (flash attention keeps q, k, v, its output and the softmax statistics). GQA: n d each,
-  as ``TransformerShape.attention_activation_elements`` counts them (flash keeps K and V at
-  the k key-value heads' k d); MLA: n (d_nope + d_rope), n (d_nope + d_rope), n d_v.
+  it (flash attention keeps q, k, v, its output and the softmax statistics). GQA: n d for Q,
+  k d for K and V at the k key-value heads, as ``TransformerShape.attention_activation_elements``
+  counts them (Transformer Engine's attention takes them unrepeated); MLA: n (d_nope + d_rope), n (d_nope + d_rope), n d_v.
   ``mla_up_proj`` (MLA: multi_latent_attention.py:455-457 discards them after the core
   attention), else none: ``core_attn``'s checkpoint keeps them as its inputs
   (attention.py:446-496).
@@ -206,6 +206,23 @@ class RecomputeWork:
         return 2.0 * (token + rows_per_token * row) + self.attention_flops
 
 
+#: the kept tensors that are a linear layer's input (a GEMM of the model's linears, not the
+#: router's or attention's core): under fp8 GEMMs Transformer Engine keeps them quantized for the
+#: weight gradient, one byte an element (TE: module/linear.py:600-621, ``saved_inputmat`` the
+#: quantized ``inputmat``, column-wise data only; layernorm_linear.py and grouped_linear.py alike).
+#: An MoE layer's pre-MLP norm output also feeds the router, a bf16 GEMM, so it stays in the model
+#: dtype there (``fp8_cached``).
+FP8_CACHED_INPUTS = frozenset({"input_norm_output", "normed_latents", "attention_output", "pre_mlp_norm_output",
+                               "ffn_activation", "expert_input", "expert_activation", "shared_activation"})
+
+
+def fp8_cached(tensor: KeptTensor, moe: bool) -> bool:
+    """Whether ``tensor`` is kept in fp8 under fp8 GEMMs (``FP8_CACHED_INPUTS``)."""
+    if tensor.fixed_bytes or tensor.name not in FP8_CACHED_INPUTS:
+        return False
+    return not (moe and tensor.name == "pre_mlp_norm_output")
+
+
 def _by(*modules: str) -> frozenset:
     return frozenset(modules)
 
@@ -240,7 +257,8 @@ class LayerRecompute:
             q, k, v, o = qk, qk, n * s.v_head_dim, n * s.v_head_dim
         else:
             up = _by()
-            q = k = v = o = n * s.head_dim
+            q = o = n * s.head_dim
+            k = v = s.kv_heads * s.head_dim  # at the key-value heads (TransformerShape.attention_activation_elements)
         core = _by("core_attn")
         out += [KeptTensor("query", q, True, up), KeptTensor("key", k, True, up), KeptTensor("value", v, True, up)]
         if self.flash:

@@ -343,10 +343,13 @@ class TransformerShape:
     @property
     def attention_activation_elements(self) -> tuple[int, int]:
         """Elements per token one layer's attention keeps for its backward beyond its input,
-        as (split over tensor-parallel ranks by heads, whole on each): GQA's Q, K, V and
-        the output projection's input, each counted n d wide (Korthikanti et al.'s 4 H
-        with d = H / n; flash attention keeps K and V at the k key-value heads' k d, which
-        this counts at n d, as the simulator has since issue 13); MLA's Q and K
+        as (split over tensor-parallel ranks by heads, whole on each): GQA's Q and the
+        output projection's input n d wide each, K and V k d wide each at the k key-value
+        heads (Korthikanti et al.'s 4 H with d = H / n and k = n): Transformer Engine's
+        attention takes the key-value heads as they are (Megatron-Core's
+        TEDotProductAttention passes ``num_gqa_groups``, NVIDIA/Megatron-LM d98e8a64
+        megatron/core/extensions/transformer_engine.py:2092; only its local
+        DotProductAttention repeats them, dot_product_attention.py:169-174); MLA's Q and K
         (n (d_nope + d_rope) each), V and the output projection's input (n d_v each),
         and its latents whole (Megatron-Core's down projections are not split): the query
         latent before and after its norm (2 r_q), the key-value latent with the RoPE key
@@ -355,7 +358,7 @@ class TransformerShape:
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             return 2 * n * qk + 2 * n * self.v_head_dim, 2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim
-        return 4 * n * self.head_dim, 0
+        return 2 * (n + self.kv_heads) * self.head_dim, 0
 
     @property
     def mla_up_proj_elements(self) -> int:

@@ -26,23 +26,29 @@ are written once. The formulas and their sources:
   dense layer of F_d keeps s b H (18 + 4 F_d / H) with gelu, Megatron-LM's
   theoretical_memory_usage formula, and s b H (18 + 6 F_d / H) with SwiGLU, whose first
   GEMM writes 2 F_d (Megatron-Core's SwiGLU keeps it for its backward); MLA keeps its
-  heads' Q, K, V and output input and its latents. An MoE layer's expert rows:
-  ``expert_row_elements``; its shared experts' are ``sim.hardware.shared_experts``'.
+  heads' Q, K, V and output input and its latents. An MoE layer has no dense FFN (issue
+  25): of Korthikanti's FFN term, 19 s b H (its input 2, first GEMM's output 8, gelu's
+  output 8, dropout mask 1), it keeps the mask only, and the router's fp32 scores and
+  routing map (E x (4 + 1) bytes a token, Megatron-Core's tensors as
+  ``testbed.model.recompute_modules`` lists them); the FFN's input (the pre-MLP norm's
+  output) is the MoE layer's input, which the phase builder counts with its expert rows
+  (``sim.step.phase_builder``'s ``activation_bytes``), and the rows
+  (``expert_row_elements``) are Megatron-Core's: the expert's input, first GEMM's output
+  and activation, H + m F; its shared experts' are ``sim.hardware.shared_experts``'.
 - Megatron-Core's recompute by module (``--recompute-modules``, issue 25 item 6;
   ``transformer.recompute_modules``, ``recompute_modules_of``): each of those figures less
   what the modules save of it, byte for byte as ``testbed.model.recompute_modules``
   (``LayerRecompute``) counts the tensors each frees (``recompute_savings``: the layer's
   own tensors per token, the expert rows' per row, the shared experts' per token). The
-  figures above are not Megatron-Core's tensors (an expert row here keeps its input, first
-  GEMM's output and output, 2 H + (m - 1) F; Megatron-Core's its input, first GEMM's
-  output, activation and fp32 probability, H + m F + 4 bytes; the shared experts here
-  (m - 1) F_s + H a token, there m F_s and with a gate H + 1 more), so a saving is taken
-  off the figure it belongs to, and where it is larger than that figure (``moe``'s rows
-  with F >= H; ``shared_experts``' or ``moe``'s with F_s > H or a gate) the part keeps
-  nothing: every tensor of it is freed. A saving is Megatron-Core's even where the figure
-  never counted the tensor (``core_attn`` frees flash attention's softmax statistics,
-  4 n bytes a token, which ``layer_activation_bytes`` leaves out; ``moe`` the router's
-  scores and map). Without modules every figure is what it was before (the same floats).
+  shared experts' figure is not Megatron-Core's tensors (here (m - 1) F_s + H a token,
+  there m F_s and with a gate H + 1 more), and an expert row here leaves out the fp32
+  probability Megatron-Core keeps (4 bytes a row: the activation multiplies by it), so a
+  saving is taken off the figure it belongs to, and where it is larger than that figure
+  (``moe``'s rows, by that probability; ``shared_experts``' or ``moe``'s with F_s > H or a
+  gate) the part keeps nothing: every tensor of it is freed. A saving is Megatron-Core's
+  even where the figure never counted the tensor (``core_attn`` frees flash attention's
+  softmax statistics, 4 n bytes a token, which ``layer_activation_bytes`` leaves out).
+  Without modules every figure is the one above.
 - FP8 GEMMs' casts and weight copies: ``testbed.model.fp8_casts``.
 - The 1F1B pipeline bubble: (p - 1) / (m + p - 1) of the step for p stages and m
   micro-batches; interleaved with v model chunks per stage, (p - 1) / (v m + p - 1)
@@ -57,7 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.model.mtp_layers import mtp_block_params, mtp_modules
-from testbed.model.recompute_modules import LayerRecompute
+from testbed.model.recompute_modules import LayerRecompute, fp8_cached
 from testbed.model.transformer_shape import TransformerShape, attention_core_flops
 
 __all__ = ["ADAM_MIXED_BYTES", "SHARED_EXPERT_TENSORS", "RecomputeSavings", "TransformerShape",
@@ -114,7 +120,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
 def layer_activation_bytes(shape: TransformerShape, seq_len: int, micro_batch: int, moe: bool, tp: int = 1,
                            sequence_parallel: bool = False, recompute: bool = False, flash: bool = True,
-                           recompute_modules=(), dtype_bytes: int = 2) -> float:
+                           recompute_modules=(), dtype_bytes: int = 2, fp8_input_bytes: float = 0.0) -> float:
     """Bytes of activations one layer of ``shape`` keeps for the backward, for one
     micro-batch of ``micro_batch`` sequences of ``seq_len``, in a model dtype of
     ``dtype_bytes`` bytes (2: 16-bit; the 16-bit figure scaled by ``dtype_bytes / 2``):
@@ -124,12 +130,15 @@ def layer_activation_bytes(shape: TransformerShape, seq_len: int, micro_batch: i
     tensors and latents) and, in a dense-FFN layer (``moe`` false), the FFN's
     (``ffn_activation_elements`` of its F_d: SwiGLU's 3 F_d against gelu's 2 F_d). The
     standard terms' parts split over ``tp`` ranks stay split, the rest whole (all split
-    with sequence parallelism). An MoE layer keeps the standard layer's FFN term (the
-    simulator's figure since issue 13; the experts' rows are the MoE layer's own,
-    ``expert_row_elements``). With full ``recompute`` only the layer's input. With
+    with sequence parallelism). An MoE layer (``moe``) keeps none of the standard FFN term
+    but its dropout mask, and its router's fp32 scores and routing map (E x 5 bytes a
+    token, whole; 1/t with sequence parallelism): its FFN's input and its expert rows are
+    the MoE layer's own (module doc). With full ``recompute`` only the layer's input. With
     ``recompute_modules`` (Megatron-Core's names; not with full ``recompute``) less what
     they free of the layer's own tensors (``recompute_savings``' ``layer``, per token of
-    the micro-batch, at ``dtype_bytes``: masks and fp32 tensors at their own sizes)."""
+    the micro-batch, at ``dtype_bytes``: masks and fp32 tensors at their own sizes). With
+    ``fp8_input_bytes`` (fp8 GEMMs, not with full ``recompute``) the linears' inputs kept at
+    that many bytes an element (``recompute_savings``)."""
     if recompute and recompute_modules:
         raise ValueError("recompute_modules are selective recompute's: not with full recompute")
     base = activation_bytes_per_layer(seq_len, micro_batch, shape.hidden, shape.heads, tp, sequence_parallel,
@@ -141,12 +150,18 @@ def layer_activation_bytes(shape: TransformerShape, seq_len: int, micro_batch: i
         split -= 4 * h  # the standard layer's Q, K, V and output-projection input (Korthikanti's 8 s b h)
         if not moe:
             split += shape.ffn_activation_elements(shape.dense_ffn) - 8 * h  # its FFN's 16 s b h
+        else:  # no dense FFN: its first GEMM's and gelu's outputs (16 s b H, split), its input (2 s b H, whole)
+            split -= 8 * h
+            whole -= h
         if split != 0 or whole != 0:
             tokens = seq_len * micro_batch
             out = base + 2.0 * tokens * ((split + whole) / tp if sequence_parallel else split / tp + whole)
     out = out * dtype_bytes / 2.0
-    if recompute_modules:
-        saved = recompute_savings(shape, moe, recompute_modules, seq_len, dtype_bytes, tp, sequence_parallel, flash)
+    if moe and not recompute:  # the router's fp32 scores and bool routing map (testbed.model.recompute_modules)
+        out += seq_len * micro_batch * shape.experts * (4 + 1) / (tp if sequence_parallel else 1)
+    if recompute_modules or (fp8_input_bytes and not recompute):
+        saved = recompute_savings(shape, moe, recompute_modules, seq_len, dtype_bytes, tp, sequence_parallel, flash,
+                                  fp8_input_bytes=0.0 if recompute else fp8_input_bytes)
         out -= seq_len * micro_batch * saved.layer
     return out
 
@@ -169,23 +184,32 @@ class RecomputeSavings:
 
 
 def recompute_savings(shape: TransformerShape, moe: bool, modules, seq_len: int = 1, dtype_bytes: int = 2,
-                      tp: int = 1, sequence_parallel: bool = False, flash: bool = True) -> RecomputeSavings:
+                      tp: int = 1, sequence_parallel: bool = False, flash: bool = True,
+                      fp8_input_bytes: float = 0.0) -> RecomputeSavings:
     """What ``modules`` free of one layer of ``shape`` (``moe``: an MoE layer) on sequences
     of ``seq_len`` in a dtype of ``dtype_bytes`` (``testbed.model.recompute_modules``:
     ``LayerRecompute``'s tensors with Transformer Engine's fused norms and dropout, as the
     Korthikanti layer here keeps its masks): each freed tensor's bytes in the part it
     belongs to, split as ``LayerRecompute.kept_bytes`` splits them (over ``tp``; whole
-    ones too with ``sequence_parallel``). The three parts sum to ``saved_bytes``' figure."""
+    ones too with ``sequence_parallel``). The three parts sum to ``saved_bytes``' figure.
+    With ``fp8_input_bytes`` (fp8 GEMMs: bytes an element of a quantized input, 1 and its
+    scales) besides, what keeping the linears' inputs quantized saves of the tensors no
+    module frees (``recompute_modules.fp8_cached``): ``dtype_bytes - fp8_input_bytes`` an
+    element."""
     chosen = set(modules)
     parts = {"layer": 0.0, "row": 0.0, "shared": 0.0}
     for t in LayerRecompute(shape, moe, seq_len, flash=flash).tensors:
-        if not t.freed_by & chosen:
+        if t.freed_by & chosen:
+            saved = t.bytes(dtype_bytes)
+        elif fp8_input_bytes and fp8_cached(t, moe):
+            saved = t.elements * max(dtype_bytes - fp8_input_bytes, 0.0)
+        else:
             continue
         if t.per_row:
-            parts["row"] += t.bytes(dtype_bytes)
+            parts["row"] += saved
             continue
         part = "shared" if t.name in SHARED_EXPERT_TENSORS else "layer"
-        parts[part] += t.bytes(dtype_bytes) / (tp if t.split or sequence_parallel else 1)
+        parts[part] += saved / (tp if t.split or sequence_parallel else 1)
     return RecomputeSavings(**parts)
 
 
@@ -200,10 +224,15 @@ def recompute_modules_of(scenario) -> tuple[str, ...]:
 
 def expert_row_elements(hidden: int, ffn: int, ffn_matrices: int = 2) -> int:
     """Elements an MoE layer keeps for the backward per expert row (a kept (token, expert)
-    slot): the expert's input (H), its first GEMM's output ((matrices - 1) F: gelu's F,
-    SwiGLU's gate and up 2 F, which Megatron-Core's SwiGLU keeps for its backward) and
-    its output (H, for the gate's gradient), as the simulator counts since issue 13."""
-    return 2 * hidden + (ffn_matrices - 1) * ffn
+    slot), Megatron-Core's tensors (``testbed.model.recompute_modules``): the expert's
+    input (H, the first grouped GEMM's), its first GEMM's output ((matrices - 1) F: gelu's
+    F, SwiGLU's gate and up 2 F, which the activation keeps for its backward) and the
+    activation's output (F, the second GEMM's input). Not its output: Megatron-Core
+    multiplies by the routing probability inside the activation, before the second GEMM
+    (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/moe/experts.py:943-1030), so
+    no gradient needs the output (issue 25: the rows kept 2 H + (matrices - 1) F before).
+    The fp32 probability (4 bytes a row) is left out."""
+    return hidden + ffn_matrices * ffn
 
 
 def expert_row_bytes(hidden: int, ffn: int, ffn_matrices: int, dtype_bytes: int, saved: float = 0.0) -> float:

@@ -23,9 +23,13 @@ each expert) and dropless. Under EP P, expert TP ETP and expert DP EDP = W / (ET
 - a local expert computes ETP P c rows on 1/ETP of its inner dimension: the grouped GEMMs'
   ``2 x 3 x rows x H x F / ETP`` FLOPs at the profile's peak times its grouped efficiency at
   that many rows (compute-bound here), 1/ETP of the ETP-1 figure on the same ETP x the rows;
-  twice that backward;
+  twice that backward; besides, each row's memory-bound kernels at the memory bandwidth
+  (``testbed.model.memory_bound_kernels``): SwiGLU's activation on its F / ETP columns,
+  reading 2 F / ETP and writing F / ETP forward (3 F / ETP b bytes), 5 F / ETP b backward,
+  and with E / P > 1 experts on a GPU the sort of the received rows by local expert and
+  back, read H and write H each way (4 H b bytes a row, forward and backward);
 - weights per GPU ``L (E / P) 3 H F b / ETP``, a gradient ``3 H F b / ETP``, an MoE layer's
-  activations ``(T H + (E / P) ETP P c (2 H + 2 F / ETP)) b`` (its input, and per row the
+  activations ``(T H + (E / P) ETP P c (H + 3 F / ETP)) b`` (its input, and per row the
   expert's input, the gate's and up's outputs and the output).
 """
 
@@ -98,17 +102,22 @@ def test_the_experts_compute_one_slice_on_their_etp_groups_rows(name):
     rows = etp * p * C  # each local expert's
     compute = sim.builder.compute
     eff = load_profile("h100").compute.efficiency_at("grouped", float(rows))
-    expected = 2 * 3 * (E // p) * rows * H * (F // etp) / (compute.gemm_peak * eff) * compute.scale
+    gemms = 2 * 3 * (E // p) * rows * H * (F // etp) / (compute.gemm_peak * eff) * compute.scale
     memory_bound = 3 * H * (F // etp) * B * (E // p) / compute.memory_bw
-    assert expected > max(memory_bound, 2 * compute.launch)  # compute-bound: the FLOPs' time
+    assert gemms > max(memory_bound, 2 * compute.launch)  # compute-bound: the FLOPs' time
+    # the rows' kernels (module doc): the activation, and the sort by local expert where E / P > 1
+    sort = 4 * H * B if E // p > 1 else 0
+    kernels_f = (E // p) * rows * (3 * (F // etp) * B + sort) / compute.memory_bw * compute.scale
+    kernels_b = (E // p) * rows * (5 * (F // etp) * B + sort) / compute.memory_bw * compute.scale
     forward = [ph.seconds for ph in phases if ph.stage == "experts" and ph.kind == "compute"]
     backward = [ph.seconds for ph in phases if ph.stage == "experts_backward" and ph.kind == "compute"]
     assert len(forward) == len(backward) == L
     for fwd, bwd in zip(forward, backward):
-        assert fwd == pytest.approx(np.full(W, expected), rel=1e-12)
-        assert bwd == pytest.approx(2 * fwd, rel=1e-12)
+        assert fwd == pytest.approx(np.full(W, gemms + kernels_f), rel=1e-12)
+        assert bwd == pytest.approx(np.full(W, 2 * gemms + kernels_b), rel=1e-12)
     whole = compute.expert_times(np.full((1, E // p), rows), H, F, "grouped", False, 3)[0]
-    assert forward[0][0] == pytest.approx(whole / etp, rel=1e-12)  # 1/ETP of the ETP-1 figure on ETP x the rows
+    # the GEMMs: 1/ETP of the ETP-1 figure on ETP x the rows
+    assert forward[0][0] - kernels_f == pytest.approx(whole / etp, rel=1e-12)
     assert sim.builder.expert_rows(d.forward[0]).tolist() == [[rows] * (E // p)] * W
 
 
@@ -120,7 +129,7 @@ def test_expert_weights_gradients_and_activations_are_one_slices(name):
     assert sim.expert_weight_bytes().tolist() == [L * (E // p) * expert // etp] * W
     assert sim.builder.expert_update_bytes == expert // etp
     rows = sim.builder.expert_rows(d.forward[0])
-    assert sim.builder.activation_bytes(rows).tolist() == [(T * H + (E // p) * etp * p * C * (2 * H + 2 * F // etp)) * B] * W
+    assert sim.builder.activation_bytes(rows).tolist() == [(T * H + (E // p) * etp * p * C * (H + 3 * F // etp)) * B] * W
 
 
 def test_the_etp_ops_are_timed_in_their_stages():

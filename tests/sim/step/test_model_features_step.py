@@ -4,7 +4,20 @@ profile with flat efficiency curves and no launch floor (so every GEMM takes its
 over peak x efficiency): SwiGLU's three matrices, shared experts on every rank beside
 the dispatch, MLA's GEMMs and core, fp8 GEMMs at the fp8 ceiling plus their casts at the
 memory bandwidth, MTP's layer and head, dense-first layers, sliding windows, head_dim,
-biases and sinks; the parameter memory is the GPU's share of the model card's count."""
+biases and sinks; the parameter memory is the GPU's share of the model card's count.
+
+Besides the GEMMs, the memory-bound kernels (``testbed.model.memory_bound_kernels``) move
+their bytes at the memory bandwidth BW, counted here by hand, bf16 (2 bytes an element),
+per token: an attention sublayer's input norm (reads and writes H), RoPE (reads and writes
+the rotated queries and keys: 4 + 2 heads of 16) and residual add (reads 2 H, writes H):
+(5 H + 2 x 96) x 2 = 1024 bytes forward, (3 H + 2 x 96 + 3 H) x 2 = 1152 backward; a dense
+FFN sublayer's norm, gelu (reads F_d = 4 H, writes 4 H; backward 3 x 4 H) and residual add:
+(5 H + 8 H) x 2 = 1664, (6 H + 12 H) x 2 = 2304; an MoE layer's pre-MLP norm and residual
+add: 5 H x 2 = 640, 6 H x 2 = 768; the loss over V: 10 V forward (the bf16 logits read, their
+fp32 exponentials written and read), 6 V backward; the router over E: 9 E forward, 12 E
+backward; the permutation and its inverse per routed slot (2 H + H + H / K) x 2 = 448, forward
+and backward; per expert row gelu's activation 2 F x 2 = 512 forward, 3 F x 2 = 768 backward,
+and with more than one expert on a GPU of EP > 1 the sort by local expert and back, 4 H x 2."""
 
 import numpy as np
 import pytest
@@ -22,16 +35,35 @@ PEAK, FP8, BW = 10e12, 20e12, 1e12  # FLOP/s (bf16, fp8), bytes/s
 DENSE, GROUPED, ATTENTION = 0.25, 0.5, 0.1  # the flat efficiencies
 
 
-@pytest.fixture(scope="module")
-def flat(tmp_path_factory):
-    """The H200 profile with flat efficiency curves, no launch floor, no router cost."""
+def flat_profile(tmp_path_factory, bandwidth: float) -> str:
+    """The H200 profile with flat efficiency curves, no launch floor, no router cost, a
+    memory bandwidth of ``bandwidth`` bytes/s."""
     d = load_profile("h200").to_dict()
-    d["compute"].update(memory_GBps=BW / 1e9, launch_us=0.0)
+    d["compute"].update(memory_GBps=bandwidth / 1e9, launch_us=0.0)
     d["compute"]["peak_tflops"].update(bf16=PEAK / 1e12, fp8=FP8 / 1e12)
     d["compute"]["efficiency"] = {"grouped": [[1, GROUPED], [1e6, GROUPED]], "loop": [[1, GROUPED], [1e6, GROUPED]],
                                   "dense": [[1, DENSE], [1e6, DENSE]], "attention": [[1, ATTENTION], [1e6, ATTENTION]]}
     d["overheads"]["router_us"] = 0.0
     return str(save_profile(profile_from_dict(d, "flat"), tmp_path_factory.mktemp("profile") / "flat.toml"))
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """The flat profile at BW."""
+    return flat_profile(tmp_path_factory, BW)
+
+
+@pytest.fixture(scope="module")
+def flat_free_kernels(tmp_path_factory):
+    """The flat profile at 1e21 bytes/s, where the memory-bound kernels (module doc) cost
+    nothing: for a test of the GEMMs' FLOPs alone in which nothing else is memory-bound (no
+    fp8 casts, no optimizer, compute-bound GEMMs)."""
+    return flat_profile(tmp_path_factory, 1e21)
+
+
+def kernels(nbytes):
+    """Seconds of memory-bound kernels moving ``nbytes`` bytes at BW (module doc)."""
+    return nbytes / BW
 
 
 def scenario(profile, gpus=1, whole=False, **sections):
@@ -65,10 +97,12 @@ def core(flops):
     return flops / (PEAK * ATTENTION)
 
 
-def test_swiglu_experts_cost_one_and_a_half_gelus_at_equal_f(flat):
+def test_swiglu_experts_cost_one_and_a_half_gelus_at_equal_f(flat_free_kernels):
     """Three matrices of H x F against two: 1.5 x the FLOPs and weight bytes, forward and
     backward; pages, gradients and optimizer updates 1.5 x; each expert row keeps F more
-    (the first GEMM's output is gate and up, 2 F)."""
+    (the first GEMM's output is gate and up, 2 F). The activations' kernels (3 F against 2 F
+    forward, 5 F against 3 F backward) are not 1.5 x: they cost nothing on this profile."""
+    flat = flat_free_kernels
     (gelu, a), (swiglu, b) = (run(scenario(flat, model={"ffn_activation": act})) for act in ("gelu", "swiglu"))
     for stage in ("experts", "experts_backward"):
         assert swiglu.stage_time_s[stage] == pytest.approx(1.5 * gelu.stage_time_s[stage], rel=1e-12)
@@ -91,10 +125,12 @@ def test_shared_experts_run_on_every_rank_beside_the_dispatch(flat):
     shared = base.replace(model={"shared_experts": 2, "shared_ffn_hidden_size": 96, "shared_expert_gate": True})
     (plain, a), (over, b) = run(base), run(shared)
     fwd = shared_seconds(96, 2, gate=True)
+    # their gelu over 2 x 96 columns a token (module doc): reads and writes 192 forward, 3 x 192 backward
+    act_f, act_b = kernels(T * 2 * 192 * 2), kernels(T * 3 * 192 * 2)
     # every rank runs them on its own T tokens: the experts' stage (a mean over ranks) grows by their time
-    assert over.stage_time_s["experts"] - plain.stage_time_s["experts"] == pytest.approx(2 * fwd, rel=1e-9)
+    assert over.stage_time_s["experts"] - plain.stage_time_s["experts"] == pytest.approx(2 * (fwd + act_f), rel=1e-9)
     assert over.stage_time_s["experts_backward"] - plain.stage_time_s["experts_backward"] == pytest.approx(
-        2 * 2 * fwd, rel=1e-9)
+        2 * (2 * fwd + act_b), rel=1e-9)
     params = (2 * 2 * H * 96 + H) * 2  # per layer: 2 experts of 2 H x 96 and the gate, bf16
     assert b["parameters"] - a["parameters"] == 2 * params
     assert b["gradients"] - a["gradients"] == 2 * params
@@ -109,7 +145,8 @@ def test_shared_experts_run_on_every_rank_beside_the_dispatch(flat):
     in_order, _ = run(shared.replace(overlap={"shared_experts": False}))
     sync = in_order.stage_time_s["dense_sync"] - plain.stage_time_s["dense_sync"]
     assert sync > 0
-    assert in_order.step_time_s - plain.step_time_s == pytest.approx(2 * 3 * fwd + sync + optimizer, rel=1e-9)
+    assert in_order.step_time_s - plain.step_time_s == pytest.approx(
+        2 * (3 * fwd + act_f + act_b) + sync + optimizer, rel=1e-9)
     assert plain.step_time_s < over.step_time_s < in_order.step_time_s
 
 
@@ -125,14 +162,17 @@ def test_the_shared_experts_first_part_starts_with_the_dispatch_and_the_second_w
     first, routed, second = compute  # shared part 1, the routed experts, shared part 2
     assert np.array_equal(tl.start[first], tl.start[dispatch])
     assert np.array_equal(tl.start[second], tl.start[combine])
-    assert np.allclose(tl.end[first] - tl.start[first], dense(2 * T * H * F))  # the first matrix
+    # the first matrix and the activation after it (gelu: reads F, writes F a token, module doc)
+    assert np.allclose(tl.end[first] - tl.start[first], dense(2 * T * H * F) + kernels(T * 2 * F * 2))
     assert np.all(tl.start[routed] >= tl.end[first])
 
 
 def test_mla_attention_is_its_gemms_and_core(flat):
     """MLA of 4 heads: query latent 32, key-value latent 16, d_nope 16, d_rope 8, d_v 16.
     Its GEMMs: q down H x 32, q up 32 x 4 x 24, kv down H x (16 + 8), kv up 16 x 4 x 32,
-    o 4 x 16 x H; its core 2 x keys x 4 x 24 + 2 x keys x 4 x 16 per token, keys s / 2."""
+    o 4 x 16 x H; its core 2 x keys x 4 x 24 + 2 x keys x 4 x 16 per token, keys s / 2; its
+    memory-bound kernels RoPE on 4 x 8 + 8 (the shared key's) against GQA's (4 + 2) x 16, read
+    and written, and its latents' norms (32 + 16 wide: 2 x forward, 3 x backward)."""
     mla = {"attention": "mla", "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
            "qk_rope_head_dim": 8, "v_head_dim": 16}
     (g, a), (m, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, transformer=mla))
@@ -141,14 +181,17 @@ def test_mla_attention_is_its_gemms_and_core(flat):
     assert sum(k * n for k, n in shape_of(scenario(flat, whole=True, transformer=mla)).attention_linears) == mla_params
     gqa = dense(2 * T * gqa_params) + core(2 * 2 * T * (S / 2) * H)
     mla_s = dense(2 * T * mla_params) + core(T * (2 * (S / 2) * 4 * 24 + 2 * (S / 2) * 4 * 16))
+    kernels_f = kernels(T * (2 * 40 + 2 * 48 - 2 * 96) * 2)  # 16 elements a token fewer than GQA's
+    kernels_b = kernels(T * (2 * 40 + 3 * 48 - 2 * 96) * 2)  # 32 more
     # 2 blocks x 2 attentions each
-    assert m.stage_time_s["dense"] - g.stage_time_s["dense"] == pytest.approx(4 * (mla_s - gqa), rel=1e-9)
+    assert m.stage_time_s["dense"] - g.stage_time_s["dense"] == pytest.approx(4 * (mla_s - gqa + kernels_f), rel=1e-9)
     assert m.stage_time_s["dense_backward"] - g.stage_time_s["dense_backward"] == pytest.approx(
-        2 * 4 * (mla_s - gqa), rel=1e-9)
+        4 * (2 * (mla_s - gqa) + kernels_b), rel=1e-9)
     assert b["parameters"] - a["parameters"] == 4 * (mla_params - gqa_params) * 2
-    # activations: Q, K (4 x 24), V and the output's input (4 x 16) for GQA's 4 H, the latents whole
+    # activations: Q, K (4 x 24), V and the output's input (4 x 16), the latents whole, for GQA's Q and
+    # output input at 4 heads of 16 and K and V at its 2 key-value heads: 2 (4 + 2) 16
     split, whole = 2 * 4 * 24 + 2 * 4 * 16, 2 * 32 + 16 + 8 + 16
-    assert b["activations"] - a["activations"] == 4 * 2 * T * (split + whole - 4 * H)
+    assert b["activations"] - a["activations"] == 4 * 2 * T * (split + whole - 2 * (4 + 2) * 16)
 
 
 def cast(rows, k, n, backward=False):
@@ -168,22 +211,31 @@ def test_fp8_gemms_run_at_the_fp8_ceiling_plus_their_casts_at_the_memory_bandwid
     attention_flops, ffn_flops = 2 * T * (H * 2 * H + H * H), 2 * T * 8 * H * H
     attention_core = core(2 * 2 * T * (S / 2) * H)  # stays at the bf16 ceiling, as the head does
     casts = sum(cast(T, *w) for w in (qkv, o))
+    # the memory-bound kernels stay at bf16 (module doc): 2 attention sublayers, a dense FFN, an MoE layer's norm
+    block_kernels = kernels(T * (2 * 1024 + 1664 + 640))
     block = 2 * (attention_flops / (FP8 * DENSE) + attention_core + casts / BW) \
-        + ffn_flops / (FP8 * DENSE) + sum(cast(T, *w) for w in (up, down)) / BW
-    head = dense(2 * T * H * V)
+        + ffn_flops / (FP8 * DENSE) + sum(cast(T, *w) for w in (up, down)) / BW + block_kernels
+    head = dense(2 * T * H * V) + kernels(T * 10 * V)  # and the loss
     assert f8.stage_time_s["dense"] == pytest.approx(2 * block + head, rel=1e-9)
-    # the experts: T K rows of 2 GEMMs (H x F, F x H) at fp8's ceiling, each expert's weights cast once
+    # the experts: T K rows of 2 GEMMs (H x F, F x H) at fp8's ceiling, each expert's weights cast once;
+    # each row's gelu at bf16 (one GPU: no sort)
     gemm = 4 * T * K * H * F / (FP8 * GROUPED)
     expert_casts = T * K * (H * 3 + 4 + F * 3 + 4) + E * (2 * H * F * 3 + 2 * 4)
-    assert f8.stage_time_s["experts"] == pytest.approx(2 * (gemm + expert_casts / BW), rel=1e-9)
+    assert f8.stage_time_s["experts"] == pytest.approx(2 * (gemm + expert_casts / BW + kernels(T * K * 512)),
+                                                       rel=1e-9)
     # per layer: each expert's 64 rows (T K / E) tiled along the rows for the weight gradient
     backward_casts = E * sum(cast(T * K // E, *w, backward=True) for w in ((H, F), (F, H)))
-    assert f8.stage_time_s["experts_backward"] == pytest.approx(2 * (2 * gemm + backward_casts / BW), rel=1e-9)
+    assert f8.stage_time_s["experts_backward"] == pytest.approx(
+        2 * (2 * gemm + backward_casts / BW + kernels(T * K * 768)), rel=1e-9)
     # memory: the fp8 copies of every weight the step computes with (1 byte an element and the scales)
     copies = 2 * (2 * (H * 2 * H + 4 + H * H + 4) + H * 4 * H + 2 * 4 + 4 * H * H + 2 * 4)  # 2 blocks
     copies += 2 * E * (2 * H * F + 2 * 4)  # 2 layers of 8 experts
     assert b["parameters"] - a["parameters"] == copies
-    assert b["activations"] == a["activations"]  # kept at the model dtype
+    # the linears' inputs kept quantized, 1 + 4 / 128 bytes an element instead of 2 (blockwise scales):
+    # a dense layer's input norm output, attention output, pre-MLP norm output and gelu output (H, H, H, 4 H),
+    # an MoE layer's first two and each of its K rows' input and activation (H + F); 2 layers of each
+    cached = 2 * (3 * H + 4 * H) + 2 * (2 * H + K * (H + F))
+    assert a["activations"] - b["activations"] == T * cached * (2 - (1 + 4 / 128))
 
 
 def test_fp8_gemms_need_an_fp8_ceiling():
@@ -197,27 +249,35 @@ def test_an_mtp_module_is_one_more_moe_layer_and_one_more_head(flat):
     (``testbed.model.mtp_layers``): its block is its projection 2H x H and its attention
     over the whole sequence, its MoE FFN the router and the experts on the rows routed to
     them (T k on the one GPU, as each of the model's two layers), and the shared head runs
-    once more."""
+    once more; with their memory-bound kernels (module doc): the attention sublayer's and the
+    MoE layer's norm and residual add, the loss, the router's and the permutation's, the rows'
+    activation."""
     plain, a = run(scenario(flat, whole=True))
     mtp, b = run(scenario(flat, whole=True, transformer={"mtp_layers": 1}))
     block = dense(2 * T * 2 * H * H) + dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
     head = dense(2 * T * H * V)
-    assert mtp.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(block + head, rel=1e-9)
+    assert mtp.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(
+        block + head + kernels(T * (1024 + 640 + 10 * V)), rel=1e-9)
     assert mtp.stage_time_s["dense_backward"] - plain.stage_time_s["dense_backward"] == pytest.approx(
-        2 * (block + head), rel=1e-9)
-    assert mtp.stage_time_s["route"] - plain.stage_time_s["route"] == pytest.approx(dense(2 * T * H * E), rel=1e-9)
+        2 * (block + head) + kernels(T * (1152 + 768 + 6 * V)), rel=1e-9)
+    assert mtp.stage_time_s["route"] - plain.stage_time_s["route"] == pytest.approx(
+        dense(2 * T * H * E) + kernels(T * (9 * E + K * 448)), rel=1e-9)
     experts = 4 * T * K * H * F / (PEAK * GROUPED)
-    assert mtp.stage_time_s["experts"] - plain.stage_time_s["experts"] == pytest.approx(experts, rel=1e-9)
+    assert mtp.stage_time_s["experts"] - plain.stage_time_s["experts"] == pytest.approx(
+        experts + kernels(T * K * 512), rel=1e-9)
     assert mtp.stage_time_s["experts_backward"] - plain.stage_time_s["experts_backward"] == pytest.approx(
-        2 * experts, rel=1e-9)
+        2 * experts + kernels(T * K * 768), rel=1e-9)
     # its routed experts are a layer's pages (all 8 on the one GPU); its projection, attention and router the rest
     assert b["expert_pages"] - a["expert_pages"] == E * 2 * H * F * 2
     assert b["parameters"] - a["parameters"] == (2 * H * H + 2 * H * H + 2 * H * 32) * 2 + (H * E + E) * 4
     # every expert computed; the projection's and attention's gradients with the head's
     assert b["gradients"] - a["gradients"] == E * 2 * H * F * 2 + (2 * H * H + 2 * H * H + 2 * H * 32) * 2 \
         + (H * E + E) * 4
-    layer = 34 * T * H * 2 / 2  # Korthikanti's standard layer (an MoE one), bf16
-    rows = (T * H + T * K * (2 * H + F)) * 2
+    # an MoE layer: Korthikanti's standard layer less its FFN term, 34 - 18 s b H (bf16), and the router's
+    # fp32 scores and routing map (5 E bytes a token), K and V at the 2 key-value heads (2 (4 + 2) 16 for
+    # Korthikanti's 4 H); its input and rows (input, gelu's input and output)
+    layer = 16 * T * H * 2 / 2 + T * E * 5 - 2 * T * (4 * H - 2 * (4 + 2) * 16)
+    rows = (T * H + T * K * (H + 2 * F)) * 2
     assert b["activations"] - a["activations"] == layer + 2 * T * H * 2 + rows + T * V * 2
 
 
@@ -252,7 +312,7 @@ def test_dense_first_layers_come_before_the_first_moe_layer(flat):
     (plain, a), (first, b) = (run(scenario(flat, gpus=2, whole=True, transformer={"first_dense_layers": n}))
                               for n in (0, 2))
     attention = dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
-    layer = attention + dense(2 * T * 8 * H * H)
+    layer = attention + dense(2 * T * 8 * H * H) + kernels(T * (1024 + 1664))  # an attention and a dense FFN sublayer
     assert first.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(2 * layer, rel=1e-9)
     # all of it in MoE layer 0's block, none in layer 1's
     assert first.extra["layer_time_s"][1] == pytest.approx(plain.extra["layer_time_s"][1], rel=1e-12)
@@ -272,10 +332,11 @@ def test_sliding_window_layers_attend_a_band(flat):
 
 
 def test_head_dim_sets_the_attention_width(flat):
-    """4 heads of 32 (n d 128 against H 64), 2 KV heads: Q H x 128, K and V H x 64, O 128 x H."""
+    """4 heads of 32 (n d 128 against H 64), 2 KV heads: Q H x 128, K and V H x 64, O 128 x H;
+    RoPE reads and writes (4 + 2) x 32 a token against (4 + 2) x 16 (module doc)."""
     (plain, a), (wide, b) = run(scenario(flat, whole=True)), run(scenario(flat, whole=True, transformer={"head_dim": 32}))
     per = lambda params, width: dense(2 * T * params) + core(2 * 2 * T * (S / 2) * width)  # noqa: E731
-    delta = per(H * 128 + 2 * H * 64 + 128 * H, 128) - per(2 * H * H + 2 * H * 32, H)
+    delta = per(H * 128 + 2 * H * 64 + 128 * H, 128) - per(2 * H * H + 2 * H * 32, H) + kernels(T * 2 * 6 * 16 * 2)
     assert wide.stage_time_s["dense"] - plain.stage_time_s["dense"] == pytest.approx(4 * delta, rel=1e-9)
     assert b["parameters"] - a["parameters"] == 4 * (2 * H * 128 + 2 * H * 64 - 2 * H * H - 2 * H * 32) * 2
 
@@ -342,7 +403,8 @@ def test_deepeps_kernels_slow_the_shared_experts_beside_them(flat):
     first = next(ph for ph in phases if ph.layer == 0 and ph.stage == "experts" and ph.kind == "compute")
     alone = sim.builder.batch_seconds(decisions.forward[0].dispatch_ops)
     assert np.all(alone > 0)
-    want = deepep_slowed(np.full(4, dense(2 * T * H * F)), alone, 20 / 132)
+    # the first matrix and its gelu (reads F, writes F a token: module doc), both slowed
+    want = deepep_slowed(np.full(4, dense(2 * T * H * F) + kernels(T * 2 * F * 2)), alone, 20 / 132)
     assert np.allclose(first.seconds, want, rtol=1e-12) and np.all(first.seconds > dense(2 * T * H * F))
 
 
@@ -364,9 +426,13 @@ def test_only_the_first_pipeline_stage_runs_the_dense_first_layers(flat, monkeyp
     SimBackend().run(s)
     layer = dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H) + dense(2 * T * 8 * H * H)
     head = dense(2 * T * H * V)
+    # the memory-bound kernels (module doc): the layer's attention and dense-FFN sublayers', the loss's
+    layer_f, layer_b = kernels(T * (1024 + 1664)), kernels(T * (1152 + 2304))
+    loss_f, loss_b = kernels(T * 10 * V), kernels(T * 6 * V)
     fwd = seen["fwd"][:, 0]
-    assert fwd[0] - fwd[1] == pytest.approx(layer - head, rel=1e-9)  # stage 0: the dense layer, not the head
-    assert seen["bwd"][0, 0] - seen["bwd"][1, 0] == pytest.approx(2 * (layer - head), rel=1e-9)
+    # stage 0: the dense layer, not the head
+    assert fwd[0] - fwd[1] == pytest.approx(layer + layer_f - head - loss_f, rel=1e-9)
+    assert seen["bwd"][0, 0] - seen["bwd"][1, 0] == pytest.approx(2 * (layer - head) + layer_b - loss_b, rel=1e-9)
 
 
 def test_only_the_last_pipeline_stage_runs_the_mtp_modules(flat, monkeypatch):
@@ -389,5 +455,9 @@ def test_only_the_last_pipeline_stage_runs_the_mtp_modules(flat, monkeypatch):
     block = dense(2 * T * 2 * H * H) + dense(2 * T * (2 * H * H + 2 * H * 32)) + core(2 * 2 * T * (S / 2) * H)
     moe = dense(2 * T * H * E) + 4 * T * K * H * F / (PEAK * GROUPED)  # the router, the experts on T k rows
     heads = 2 * dense(2 * T * H * V)  # the model's and the module's
-    assert seen["fwd"][1, 0] - seen["fwd"][0, 0] == pytest.approx(heads + block + moe, rel=1e-9)
-    assert seen["bwd"][1, 0] - seen["bwd"][0, 0] == pytest.approx(2 * (heads + block + moe), rel=1e-9)
+    # the memory-bound kernels (module doc): the two losses; the block's attention sublayer and MoE layer's
+    # norm and residual add; the router's, the permutation of the T K slots, the rows' activation
+    kernels_f = kernels(T * (2 * 10 * V + 1024 + 640 + 9 * E + K * 448 + K * 512))
+    kernels_b = kernels(T * (2 * 6 * V + 1152 + 768 + 12 * E + K * 448 + K * 768))
+    assert seen["fwd"][1, 0] - seen["fwd"][0, 0] == pytest.approx(heads + block + moe + kernels_f, rel=1e-9)
+    assert seen["bwd"][1, 0] - seen["bwd"][0, 0] == pytest.approx(2 * (heads + block + moe) + kernels_b, rel=1e-9)

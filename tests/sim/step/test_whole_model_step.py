@@ -46,10 +46,22 @@ def test_the_dense_stages_take_the_roofline_time_of_attention_dense_ffns_and_the
     ffn = 2 * T * 2 * H * 4 * H / (peak * eff(T))
     block = 2 * (attention + core) + ffn  # moe_every = 2: two attentions, one dense FFN
     head = 2 * T * H * V / (peak * eff(T))
-    assert out["stage_time_s"]["dense"] == pytest.approx(2 * block + head, rel=1e-9)
-    assert out["stage_time_s"]["dense_backward"] == pytest.approx(2 * (2 * block + head), rel=1e-9)
+    # the memory-bound kernels (testbed.model.memory_bound_kernels) at the memory bandwidth, bf16, per
+    # token: an attention sublayer's input norm (H read, H written), RoPE ((4 + 2) x 16 read and written)
+    # and residual add (2 H read, H written), (5 H + 192) x 2 = 1024 bytes, backward (6 H + 192) x 2 =
+    # 1152; the dense FFN's pre-MLP norm, gelu (4 H read and written; backward 3 x 4 H) and residual add,
+    # (5 H + 8 H) x 2 = 1664, (6 H + 12 H) x 2 = 2304; the MoE layer's pre-MLP norm and residual add,
+    # 5 H x 2 = 640, 6 H x 2 = 768; the loss 10 V (bf16 logits read, fp32 exponentials written and
+    # read), 6 V backward
+    kernels = lambda nbytes: T * nbytes / c.memory_bw * c.scale  # noqa: E731
+    block_f, block_b = kernels(2 * 1024 + 1664 + 640), kernels(2 * 1152 + 2304 + 768)
+    loss_f, loss_b = kernels(10 * V), kernels(6 * V)
+    assert out["stage_time_s"]["dense"] == pytest.approx(2 * (block + block_f) + head + loss_f, rel=1e-9)
+    assert out["stage_time_s"]["dense_backward"] == pytest.approx(
+        2 * (2 * block + head) + 2 * block_b + loss_b, rel=1e-9)
     _, again = run(scenario(recompute="full"))  # the blocks' forward once more in the backward
-    assert again["stage_time_s"]["dense_backward"] == pytest.approx(3 * 2 * block + 2 * head, rel=1e-9)
+    assert again["stage_time_s"]["dense_backward"] == pytest.approx(
+        3 * 2 * block + 2 * head + 2 * (block_f + block_b) + loss_b, rel=1e-9)
 
 
 def test_the_dense_gradients_are_summed_over_all_ranks():
@@ -164,9 +176,10 @@ def test_tensor_parallelism_is_checked():
 
 
 def test_without_sequence_parallelism_the_blocks_hold_the_groups_tokens():
-    """tp 2 without sequence parallelism: a block keeps 10 s b H whole and 24 s b H / 2
-    for the pair's sequences (Korthikanti et al. eq. 4; with it 34 s b H / 2: eq. 5), in
-    bf16 as is. Its collectives: an all-reduce per sublayer (the bytes of an all-gather
+    """tp 2 without sequence parallelism: a block's dense layer keeps 10 s b H whole and
+    24 s b H / 2 for the pair's sequences (Korthikanti et al. eq. 4; with it 34 s b H / 2:
+    eq. 5), its MoE layer those less its FFN's 2 s b H whole and 16 s b H split and with its
+    router's scores and map (5 E bytes a token, whole; issue 25), in bf16 as is. Its collectives: an all-reduce per sublayer (the bytes of an all-gather
     and a reduce-scatter), and the MoE layers' rows gathered into the blocks (layer 1's
     forward; both layers' input gradients backward) - more bytes than with it."""
     from sim.hardware.dense_layers import DenseLayers
@@ -174,8 +187,13 @@ def test_without_sequence_parallelism_the_blocks_hold_the_groups_tokens():
     sp, no_sp = (scenario().replace(parallelism={"tp_size": 2, "sequence_parallel": on}) for on in (True, False))
     compute = ComputeModel(load_profile(sp.cluster.profile), "bf16", sp.world_size)
     a, b = DenseLayers(sp, compute), DenseLayers(no_sp, compute)
-    assert a.block_activation_bytes == 2 * T * H * 34  # 2 attention sublayers, each GPU's own tokens
-    assert b.block_activation_bytes == 2 * T * H * (10 * 2 + 24)  # the pair's 2 T tokens: 2 T H (10 + 24 / 2)
+    # each GPU's own tokens: the dense layer's 34 T H, the MoE layer's 16 T H and 5 E T
+    # less, in both layers, K and V at the 2 key-value heads (2 x 2 x 16 elements where Korthikanti counts
+    # 2 H), bf16, split: the pair's 2 T tokens over 2 GPUs
+    kv = 2 * (2 * H - 2 * 2 * 16) * 2 * (2 * T // 2)
+    assert a.block_activation_bytes == T * H * (34 + 16) + T * E * 5 - kv
+    # the pair's 2 T tokens: 2 T H (10 + 24 / 2) and 2 T H (8 + 8 / 2) + 5 E (2 T)
+    assert b.block_activation_bytes == 2 * T * H * (10 + 12 + 8 + 4) + 2 * T * E * 5 - kv
     got = {on: summarize(SimBackend().run(s).records, 1)["bytes_by_stage"] for on, s in ((True, sp), (False, no_sp))}
     rows, pairs = T * H * 2, 4
     # gloo (the local-cpu profile) runs each of the sequence-parallel reduce-scatters as an

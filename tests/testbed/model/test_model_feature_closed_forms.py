@@ -42,8 +42,13 @@ def test_the_gemm_shapes_add_up_to_the_matrix_parameters():
 @pytest.mark.parametrize("moe", [False, True])
 def test_the_standard_layer_keeps_korthikantis_bytes(tp, sp, moe):
     args = {"tp": tp, "sequence_parallel": sp}
+    # an MoE layer has no dense FFN: less its first GEMM's and gelu's outputs (16 s b H, split) and its input
+    # (2 s b H, whole without sequence parallelism; the MoE layer's own), no experts here (no router)
+    ffn = 2048 * 4 * 1024 * (18 / tp if sp else 16 / tp + 2) if moe else 0
+    # K and V at the 4 key-value heads' width, H / 4 each, where Korthikanti counts H each (bf16, split)
+    kv = 2 * 2048 * 4 * (2 * 1024 - 2 * 1024 // 4) / tp
     assert layer_activation_bytes(STANDARD, 2048, 4, moe, **args) == activation_bytes_per_layer(
-        2048, 4, 1024, 16, **args)
+        2048, 4, 1024, 16, **args) - ffn - kv
     assert layer_activation_bytes(STANDARD, 2048, 4, moe, recompute=True, **args) == 2 * 2048 * 4 * 1024 / (
         tp if sp else 1)
 
@@ -58,14 +63,16 @@ def test_a_dense_ffn_keeps_megatrons_18_plus_4_or_6_f_over_h():
     assert layer_activation_bytes(swiglu, s, b, moe=False) == s * b * (18 * h + 6 * f)
     # tensor parallel without sequence parallelism: the FFN's inner tensors split, 10 s b H whole
     assert layer_activation_bytes(swiglu, s, b, moe=False, tp=4) == s * b * (10 * h + (8 * h + 6 * f) / 4)
-    # an MoE layer keeps the standard layer's figure: its experts' rows are counted by the MoE layer
-    assert layer_activation_bytes(swiglu, s, b, moe=True) == 34 * s * b * h
+    # an MoE layer keeps the standard layer's figure less its FFN term, 18 of its 34 s b H: its FFN's input and
+    # its experts' rows are counted by the MoE layer (issue 25)
+    assert layer_activation_bytes(swiglu, s, b, moe=True) == 16 * s * b * h
 
 
 def test_head_dim_widens_the_attention_tensors():
     shape = TransformerShape(layers=1, hidden=4096, heads=64, kv_heads=4, dense_ffn=16384, vocab=1, head_size=128)
-    assert shape.attention_activation_elements == (4 * 64 * 128, 0)  # Q, K, V, O input at n d = 8192
-    assert layer_activation_bytes(shape, 1024, 1, moe=True) == 1024 * (34 * 4096 + 2 * (4 * 8192 - 4 * 4096))
+    # Q and O's input at n d = 8192, K and V at the 4 key-value heads' k d = 512
+    assert shape.attention_activation_elements == (2 * 64 * 128 + 2 * 4 * 128, 0)
+    assert layer_activation_bytes(shape, 1024, 1, moe=True) == 1024 * (16 * 4096 + 2 * (17408 - 4 * 4096))
 
 
 def test_mla_keeps_its_heads_tensors_and_latents_and_can_recompute_its_up_projections():
@@ -78,7 +85,7 @@ def test_mla_keeps_its_heads_tensors_and_latents_and_can_recompute_its_up_projec
     assert shape.attention_activation_elements == (split, whole) == (81920, 4160)
     assert shape.mla_up_proj_elements == 2 * 128 * 192 + 128 * 128 == 65536
     s = 4096
-    standard = 34 * s * 7168
+    standard = 16 * s * 7168  # an MoE layer: Korthikanti's 34 s b H less the FFN's 18 (issue 25)
     assert layer_activation_bytes(shape, s, 1, moe=True) == standard + 2 * s * (split - 4 * 7168 + whole)
     # the up projections' outputs and the normed latents (1536 + 512), which Megatron-Core frees too
     assert layer_activation_bytes(shape, s, 1, moe=True, recompute_modules=("mla_up_proj",)) == \
@@ -88,9 +95,9 @@ def test_mla_keeps_its_heads_tensors_and_latents_and_can_recompute_its_up_projec
     assert STANDARD.mla_up_proj_elements == 0
 
 
-def test_an_expert_row_keeps_its_input_first_gemms_output_and_output():
-    assert expert_row_elements(64, 128) == 2 * 64 + 128  # gelu: the pre-activation
-    assert expert_row_elements(64, 128, 3) == 2 * 64 + 2 * 128  # SwiGLU: gate and up
+def test_an_expert_row_keeps_its_input_first_gemms_output_and_activation():
+    assert expert_row_elements(64, 128) == 64 + 128 + 128  # gelu: the pre-activation, the activation
+    assert expert_row_elements(64, 128, 3) == 64 + 2 * 128 + 128  # SwiGLU: gate and up, the activation
 
 
 def test_fp8_casts_by_hand():

@@ -91,11 +91,12 @@ def test_an_moe_layer_keeps_its_router_rows_and_shared_expert():
 
 
 def test_an_moe_layer_against_layer_activation_bytes():
-    """whole_model's MoE layer keeps Korthikanti's standard FFN term (8 H elements, 16 H
-    bytes) where Megatron-Core keeps the router's, the rows' and the shared experts'."""
+    """whole_model's MoE layer keeps Megatron-Core's tensors of the layer but flash attention's
+    softmax statistics (16 bytes), the pre-MLP norm's output (128, the MoE layer's input, the
+    phase builder's), the rows' (2 x 324) and the shared experts' (192 + 96)."""
     layer = LayerRecompute(SMALL, moe=True, seq_len=SEQ)
-    own = 32 + 8 + 2 * 324 + 192 + 96
-    assert layer.kept_bytes() - 16 - own == layer_activation_bytes(SMALL, SEQ, 1, moe=True) / SEQ - 16 * 64
+    own = 128 + 2 * 324 + 192 + 96
+    assert layer.kept_bytes() - 16 - own == layer_activation_bytes(SMALL, SEQ, 1, moe=True) / SEQ == 1064
 
 
 def test_a_shared_expert_gate_keeps_the_product_s_inputs():

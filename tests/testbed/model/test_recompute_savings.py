@@ -83,8 +83,9 @@ def test_deepseek_v3_s_mla_up_proj_frees_q_k_v_and_the_normed_latents():
 
 
 def test_an_expert_row_keeps_what_is_left_and_nothing_below():
-    assert expert_row_bytes(64, 32, 3, 2) == (2 * 64 + 2 * 32) * 2 == 384
-    assert expert_row_bytes(64, 32, 3, 2, saved=324) == 60
+    assert expert_row_bytes(64, 32, 3, 2) == (64 + 3 * 32) * 2 == 320
+    assert expert_row_bytes(64, 32, 3, 2, saved=64) == 256  # moe_act: the activation's 32 x 2 bytes
+    assert expert_row_bytes(64, 32, 3, 2, saved=324) == 0  # moe: the row and its fp32 probability, all freed
     assert expert_row_bytes(64, 128, 3, 2, saved=64 * 2 + 3 * 128 * 2 + 4) == 0  # moe with F > H: all freed
 
 
@@ -93,3 +94,34 @@ def test_the_scenario_s_modules_in_order_and_none_without_the_whole_transformer(
     assert recompute_modules_of(s) == ("moe_act", "layernorm")
     assert recompute_modules_of(s.replace(transformer={"enabled": False})) == ()
     assert recompute_modules_of(Scenario()) == ()
+
+
+def test_fp8_gemms_keep_the_linears_inputs_quantized():
+    """Under fp8 GEMMs (1 byte an element and, blockwise, a 4-byte scale per 128: 1.03125) the
+    linears' inputs are kept quantized (Transformer Engine's saved quantized input). SMALL (H 64,
+    4 heads of 16, SwiGLU) in bf16: a dense layer's input norm output (64), attention output (64),
+    pre-MLP norm output (64) and SwiGLU output (128) save 320 x 0.96875 = 310 bytes a token; an
+    MoE layer's first two (128: its pre-MLP norm output feeds the router, a bf16 GEMM, and stays),
+    a row's input and activation (64 + 32 = 96: 93 bytes), the shared expert's activation (48:
+    46.5 bytes). What a module frees is not saved twice: under moe_act a row keeps only its input."""
+    fp8 = 1 + 4 / 128
+    dense = recompute_savings(SMALL, False, (), SEQ, fp8_input_bytes=fp8)
+    assert (dense.layer, dense.row, dense.shared) == (320 * (2 - fp8), 0.0, 0.0) == (310.0, 0.0, 0.0)
+    moe = recompute_savings(SMALL, True, (), SEQ, fp8_input_bytes=fp8)
+    assert (moe.layer, moe.row, moe.shared) == (124.0, 93.0, 46.5)
+    act = recompute_savings(SMALL, True, ("moe_act",), SEQ, fp8_input_bytes=fp8)
+    assert act.row == 32 * 2 + 64 * (2 - fp8)  # the activation freed whole, the input quantized
+    # layer_activation_bytes takes the layer's part off per token of the micro-batch (split over tp as kept)
+    plain = layer_activation_bytes(SMALL, SEQ, 1, moe=False)
+    assert plain - layer_activation_bytes(SMALL, SEQ, 1, moe=False, fp8_input_bytes=fp8) == SEQ * 310.0
+    assert layer_activation_bytes(SMALL, SEQ, 1, moe=False, recompute=True, fp8_input_bytes=fp8) == \
+        layer_activation_bytes(SMALL, SEQ, 1, moe=False, recompute=True)  # full recompute keeps the input only
+
+
+def test_gqa_keeps_keys_and_values_at_the_key_value_heads():
+    """Transformer Engine's attention takes K and V unrepeated: 8 query heads of 16 and 2
+    key-value heads keep Q and the output's input 128 wide each, K and V 32 each."""
+    gqa = TransformerShape(layers=1, hidden=128, heads=8, kv_heads=2, dense_ffn=256, vocab=10)
+    assert gqa.attention_activation_elements == (2 * 128 + 2 * 32, 0)
+    kept = {t.name: t.elements for t in LayerRecompute(gqa, False, SEQ).tensors}
+    assert (kept["query"], kept["key"], kept["value"], kept["attention_output"]) == (128, 32, 32, 128)
