@@ -8,8 +8,10 @@ Each claim has two halves, as in ``claims_sync.py``: ``cN(ledger)`` collects the
 
 from __future__ import annotations
 
+from testbed.model.model_card import model_card
 from testbed.study.claims_ledger import (
     PAYLOAD,
+    PUBLISHED,
     Ledger,
     at,
     backends_of,
@@ -28,9 +30,12 @@ from testbed.study.verdicts import (
     C16_BOUND,
     C16_HEALTHY,
     CONDITIONAL,
+    FAILS,
     UNTESTABLE,
     Claim,
     c11_check,
+    c13_check,
+    c13_closed_form,
     c13_verdict,
     c15_checks,
     c16_band,
@@ -81,41 +86,89 @@ def judge_c11(c: Claim) -> Claim:
 
 # ---- C13 ----------------------------------------------------------------------------------
 def c13(ledger: Ledger) -> Claim:
+    """The claim's own shape (the seed's model on one node of 8 GPUs, EP 8, fp16, dropless)
+    against its 1 GB and 32 GB, and every published scenario (``Ledger.published``, its own
+    payload dtype) against the claim's closed form on that model's own shape."""
     c = Claim("C13")
     base = ledger.seed_base(at_scale=False, cluster={"nodes_per_microcluster": 1, "microclusters": 1},
                             parallelism={"ep_size": 8}, model={"dtype": "fp16"}, router={"capacity_factor": 0.0},
                             pager={"enabled": False}, comm={"expert_sync": "allreduce"})
     runs = at(ledger.sim_only("claims_a2a_bytes", base), "sim")
     if runs:
-        s, b = scenario_of(runs[0]), runs[0]["bytes_by_stage"]
-        L = s.model.num_layers
-        fwd = b["dispatch"] + b["combine"]
-        bwd = b["combine_backward"] + b["dispatch_backward"]
-        tokens = s.workload.tokens_per_rank * s.parallelism.ep_size
-        c.add(f"H={s.model.hidden_size}, top-{s.model.top_k}, B={tokens} tokens per EP group of "
-              f"{s.parallelism.ep_size}, {s.model.dtype}, {L} layers, dropless", runs,
-              dispatch_plus_combine_bytes_per_layer=fwd / L, forward_bytes_per_step=fwd,
-              forward_and_backward_bytes_per_step=fwd + bwd, dropped_token_fraction=runs[0]["dropped_token_fraction"],
-              tokens_per_ep_group=tokens, top_k=s.model.top_k, hidden_size=s.model.hidden_size)
+        s = scenario_of(runs[0])
+        c.add(f"the claim's shape (H={s.model.hidden_size}, top-{s.model.top_k}, "
+              f"B={s.workload.tokens_per_rank * s.parallelism.ep_size} tokens per EP group of "
+              f"{s.parallelism.ep_size}, {s.model.dtype}, {s.model.num_layers} layers, dropless)", runs,
+              claim_shape=True, **a2a_figures(runs[0], s))
+    for stem, by in ledger.published().items():
+        # the file's own payload: "model" unless the file says fp8
+        own = by.get(ledger.opts.base(PUBLISHED / f"{stem}.toml").comm.payload_dtype)
+        if own is not None:
+            s = scenario_of(own)
+            c.add(f"{stem} (configs/published: EP {s.parallelism.ep_size}, ETP {s.parallelism.etp_size}, "
+                  f"TP {s.parallelism.tp_size}, {s.comm.token_strategy})", [own], claim_shape=False,
+                  **a2a_figures(own, s))
     return judge_c13(c)
 
 
+def a2a_figures(summary: dict, s) -> dict:
+    """A run's forward and backward dispatch + combine bytes (``bytes_by_stage``: all ranks,
+    per step) per MoE layer and per step, beside the claim's closed form on the run's own
+    shape (``c13_closed_form``: B tokens a step over the whole world, every MoE layer routing
+    all of them)."""
+    b, card = summary["bytes_by_stage"], model_card(s)
+    moe_layers = card.moe_layers
+    fwd = b["dispatch"] + b["combine"]
+    bwd = b["combine_backward"] + b["dispatch_backward"]
+    # every GPU of a pipeline stage routes its tokens_per_rank at each of the stage's MoE layers
+    tokens = s.workload.tokens_per_rank * s.world_size // s.parallelism.pp_size
+    per_element = card.dispatch_bytes_per_token_per_moe_layer // (s.model.top_k * s.model.hidden_size)
+    formula = c13_closed_form(tokens, s.model.top_k, s.model.hidden_size, per_element)
+    return {"dispatch_plus_combine_bytes_per_layer": fwd / moe_layers, "forward_bytes_per_step": fwd,
+            "forward_and_backward_bytes_per_step": fwd + bwd,
+            "backward_bytes_per_moe_layer": bwd / moe_layers, "moe_layers": moe_layers,
+            "tokens_per_step": tokens, "top_k": s.model.top_k, "hidden_size": s.model.hidden_size,
+            "payload_bytes_per_element": per_element, "closed_form_bytes_per_moe_layer": formula,
+            "closed_form_bytes_per_step": formula * moe_layers, "measured_over_closed_form": fwd / moe_layers / formula,
+            "dropped_token_fraction": summary["dropped_token_fraction"], "ep_size": s.parallelism.ep_size}
+
+
 def judge_c13(c: Claim) -> Claim:
+    """The claim's shape against 1 GB and 32 GB (``c13_verdict``); each published scenario's
+    forward bytes per MoE layer against the closed form on its own shape (``c13_check``)."""
     if not c.numbers:
         c.why = "Simulated only; no simulated run (the sim backend was not chosen)."
         return c
-    v = next(iter(c.numbers.values()))
-    per_layer, fwd = v["dispatch_plus_combine_bytes_per_layer"], v["forward_bytes_per_step"]
-    c.verdict = c13_verdict(per_layer, fwd)
-    formula = v["tokens_per_ep_group"] * v["top_k"] * v["hidden_size"] * 2
-    c.why = (f"The planner's dispatch + combine payload (bytes_by_stage): {per_layer / 1e9:.2f} GB per MoE layer "
-             f"forward, {fwd / 1e9:.1f} GB per step forward, {v['forward_and_backward_bytes_per_step'] / 1e9:.1f} GB "
-             f"with the backward (claimed ~1 GB and 32 GB). B x top-k x H x 2 bytes = {formula / 2**30:.2f} GiB "
-             "per direction; the slots that stay on their own rank (1/EP of them under balanced routing) cross no "
-             "link and are not counted.")
-    c.conditions = ("Per step means the forward's dispatch + combine; the backward moves as much again. Slots "
-                    "routed to an expert on their own rank are not counted.")
+    checks = {k: (c13_verdict(v["dispatch_plus_combine_bytes_per_layer"], v["forward_bytes_per_step"]) != FAILS
+                  if v["claim_shape"] else c13_check(v["dispatch_plus_combine_bytes_per_layer"],
+                                                     v["closed_form_bytes_per_moe_layer"]))
+              for k, v in c.entries()}
+    c.verdict, ok = from_checks(checks)
+    shape = [(k, v) for k, v in c.numbers.items() if v["claim_shape"]]
+    parts = [f"{k}: {v['dispatch_plus_combine_bytes_per_layer'] / 1e9:.3g} GB per MoE layer forward, "
+             f"{v['forward_bytes_per_step'] / 1e9:.4g} GB per step forward, "
+             f"{v['forward_and_backward_bytes_per_step'] / 1e9:.4g} GB with the backward (claimed ~1 GB and 32 GB; "
+             f"closed form {v['closed_form_bytes_per_moe_layer'] / 1e9:.3g} GB a layer)" for k, v in shape]
+    parts += [f"{short(k)}: {v['dispatch_plus_combine_bytes_per_layer'] / 1e9:.4g} GB a MoE layer against 2 x "
+              f"{v['tokens_per_step']} x {v['top_k']} x {v['hidden_size']} x {v['payload_bytes_per_element']} B = "
+              f"{v['closed_form_bytes_per_moe_layer'] / 1e9:.4g} GB (x{v['measured_over_closed_form']:.3f}, EP "
+              f"{v['ep_size']})" for k, v in c.numbers.items() if not v["claim_shape"]]
+    c.why = ("The planner's dispatch + combine payload (bytes_by_stage, all ranks, per step) over the MoE layers, "
+             "against the claim's arithmetic on each run's own shape: dispatch and combine each B x top-k x H x "
+             "bytes per element (B: the tokens of a step, in the run's payload dtype), per MoE layer; per step x "
+             f"the MoE layers. {'; '.join(parts)}. The slots that stay on their own rank (1/EP of them under "
+             "balanced routing) cross no link and are not counted; expert tensor parallelism's all-gathers and "
+             "DeepEP's per-node forwarding move bytes the closed form leaves out.")
+    c.conditions = ("Per step means the forward's dispatch + combine; the backward moves as much again. On the "
+                    "claim's shape against its 1 GB and 32 GB; on each published scenario against the closed form "
+                    f"within 15%. Agrees on: {names(short(k) for k in ok) or 'none'}.")
+    held_to_conditional(c)
     return c
+
+
+def short(label: str) -> str:
+    """A ledger label without its parenthesis: the published file's stem."""
+    return label.split(" (")[0]
 
 
 # ---- C15 ----------------------------------------------------------------------------------
@@ -220,6 +273,14 @@ def c16(ledger: Ledger) -> Claim:
                 c.add(f"{label}{setting}, {side(backend)}: payload model dtype vs fp8", plain + fp8,
                       a2a_share_of_step=share, band=c16_band(share), step_time_s=t, step_time_fp8_payload_s=t8,
                       step_gain_with_fp8_payload=1 - t8 / t, gain_noise=None if None in sp else sum(sp))
+    for stem, by in ledger.published().items():  # the published runs, each with its payload as fp8 beside
+        if "model" in by and "fp8" in by:
+            plain, fp8 = by["model"], by["fp8"]
+            share, t, t8 = token_share(plain), plain["step_time_s"], fp8["step_time_s"]
+            if share is not None:
+                c.add(f"{stem} (configs/published), simulated: payload model dtype vs fp8", [plain, fp8],
+                      a2a_share_of_step=share, band=c16_band(share), step_time_s=t, step_time_fp8_payload_s=t8,
+                      step_gain_with_fp8_payload=1 - t8 / t, gain_noise=0.0, published=True)
     return judge_c16(c)
 
 
@@ -243,14 +304,19 @@ def judge_c16(c: Claim) -> Claim:
     c.verdict, ok = from_checks(checks)
     shares = "; ".join(f"{k}: {100 * v['a2a_share_of_step']:.0f}% ({v['band']})" for k, v in c.numbers.items()
                        if "step_gain_with_fp8_payload" not in v)
+    published = "; ".join(f"{short(k)}: {100 * v['a2a_share_of_step']:.0f}% ({v['band']}), fp8 payload step "
+                          f"{100 * v['step_gain_with_fp8_payload']:+.1f}%"
+                          for k, v in c.numbers.items() if v.get("published"))
     gains = "; ".join(f"{k}: share {100 * v['a2a_share_of_step']:.0f}%, step "
                       f"{100 * v['step_gain_with_fp8_payload']:+.1f}% ({noise_note(v['gain_noise'], v['backend'])})"
-                      for k, v in c.numbers.items() if "step_gain_with_fp8_payload" in v)
-    c.why = ("The share of dispatch, combine and their backward in the step (medians per stage / median step) on the "
-             f"shipped scenarios: {shares or 'no run'}. The test (docs/claims.md): shrinking the all-to-all "
+                      for k, v in c.numbers.items() if "step_gain_with_fp8_payload" in v and not v.get("published"))
+    c.why = ("The share of dispatch, combine and their backward in the step (medians per stage / median step; a "
+             "stage's whole time, exposed or hidden behind compute, so overlapping stages can sum past the step) on "
+             f"the shipped scenarios: {shares or 'no run'}. The test (docs/claims.md): shrinking the all-to-all "
              "(comm.payload_dtype = fp8: half of bf16's payload bytes, a quarter of fp32's) should shorten steps "
              "above 35% clearly more than steps below 25%; step time saved (positive = shorter) against the share: "
-             f"{gains or 'no pair of runs'}.")
+             f"{gains or 'no pair of runs'}. The published scenarios (configs/published, simulated; share with the "
+             f"model's payload dtype, step saved with fp8): {published or 'no run'}.")
     if untested:
         c.why += (f" Not testable on the {' and '.join(untested)} side: the test needs a scenario on each side of "
                   "the bands (above 35% and below 25%) and a known noise (more than one run a point).")

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from testbed.core.errors import ScenarioError
 from testbed.policy.capacity import expert_capacity, kept_counts
 from testbed.policy.pager import RankPager
 from testbed.run.routing_trace import RoutingTrace
@@ -267,7 +268,42 @@ class Ledger:
                                                       PAYLOAD: ["model", "fp8"]})
         return out
 
+    def published_names(self) -> list[str]:
+        """The published scenarios (configs/published/*.toml, by file stem) the ledger runs:
+        all of them; with --quick all but ``SLOW_PUBLISHED``."""
+        return [p.stem for p in sorted(PUBLISHED.glob("*.toml")) if not (self.quick and p.stem in SLOW_PUBLISHED)]
 
+    def published(self) -> dict[str, dict[str, dict]]:
+        """stem -> {payload -> summary}: every published scenario (``published_names``),
+        simulated with its own profile, 2 steps (1 measured: the routing is balanced and the
+        simulator deterministic), its dispatch/combine payload (``comm.payload_dtype``) as
+        the model's dtype ("model") and as fp8; C13 reads the file's own payload, C16 both.
+        A payload the scenario refuses is left out."""
+        labelled, scenarios = [], []
+        for stem in self.published_names():
+            base = self.opts.base(PUBLISHED / f"{stem}.toml").replace(run={"steps": 2, "warmup_steps": 1})
+            for payload in ("model", "fp8"):
+                try:
+                    scenarios.append(base.replace(comm={"payload_dtype": payload}))
+                except ScenarioError:
+                    continue
+                labelled.append((stem, payload))
+        if not scenarios:
+            return {}
+        res = self.run(Sweep.of_scenarios("claims_published_quick" if self.quick else "claims_published", scenarios,
+                                          backends=("sim",) if self.sim else (), repeats=1))
+        out: dict[str, dict[str, dict]] = {}
+        for (i, b, _), s in sorted((res.summaries if res else {}).items()):
+            if b == "sim":
+                stem, payload = labelled[i]
+                out.setdefault(stem, {})[payload] = s
+        return out
+
+
+PUBLISHED = CONFIGS / "published"
+#: published scenarios the simulator takes minutes for (DeepEP's planner on 1,024 and 2,048
+#: GPUs: about 100 s a run on this project's 2-core machine), left out with --quick
+SLOW_PUBLISHED = ("deepseek-v3-1024-h100", "deepseek-v3-2048-h800")
 PAGE = "pager.page_size_bytes"
 PAYLOAD = "comm.payload_dtype"
 SYNC = "comm.expert_sync"

@@ -265,6 +265,10 @@ def _flat(name: str, value) -> dict:
     return {name: value}
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _mean_figures(runs: list[dict]) -> dict:
     """The mean over runs of every number in ROW_METRICS (nested dicts kept nested)."""
     out = {}
@@ -272,8 +276,9 @@ def _mean_figures(runs: list[dict]) -> dict:
         vals = [r.get(m) for r in runs if r.get(m) is not None]
         if not vals:
             out[m] = None
-        elif isinstance(vals[0], dict):
-            out[m] = {k: statistics.mean(v.get(k, 0) or 0 for v in vals) for k in vals[0]}
+        elif isinstance(vals[0], dict):  # numbers averaged; others (a pipeline's schedule name, lists) the first run's
+            out[m] = {k: statistics.mean(v.get(k, 0) or 0 for v in vals) if _number(x) else x
+                      for k, x in vals[0].items()}
         elif isinstance(vals[0], (int, float)) and not isinstance(vals[0], bool):
             out[m] = statistics.mean(vals)
         else:

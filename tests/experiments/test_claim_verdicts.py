@@ -30,8 +30,21 @@ def judged(cid: str, entries: dict[str, dict], **facts) -> V.Claim:
 
 
 # ---- synthetic numbers, one case per verdict a claim can reach -------------------------------
-def c1(speedup):
-    return {"seed over baseline": {"seed_step_time_s": 1.0, "baseline_step_time_s": speedup, "speedup": speedup}}
+def c1(speedup, published=1.29, refused=True):
+    """C1's numbers: Megatron-LM's layout a ``speedup`` x slower than the seed's system, and
+    ``published`` x slower than MegaScale-MoE's layout alone (paging refused where ``refused``)."""
+    out = {"Megatron-LM layout (1,440 H800)": {"step_time_s": float(speedup)},
+           "MegaScale-MoE layout (1,440 H800)": {"step_time_s": speedup / published},
+           "MegaScale-MoE layout (1,440 H800) + heat map + two-stage sync": {"step_time_s": 1.0},
+           "MegaScale-MoE over Megatron-LM": {"megatron_step_time_s": float(speedup),
+                                              "megascale_step_time_s": speedup / published, "speedup": published},
+           "the seed's system over Megatron-LM": {
+               "seed_system": "MegaScale-MoE layout (1,440 H800) + heat map + two-stage sync",
+               "seed_step_time_s": 1.0, "baseline_step_time_s": float(speedup), "speedup": float(speedup),
+               "megascale_layout_step_ratio": speedup / published}}
+    if refused:
+        out["MegaScale-MoE layout (1,440 H800) + paging"] = {"refused": "pager.enabled = True: not with pipelines"}
+    return out
 
 
 def c2(on_gb, off_gb, used=23 * 2**30, derived=23 * 2**30, config=23 * 2**30):
@@ -108,10 +121,22 @@ def c12(*slowdowns):
                             "expert_sync_slowdown": s} for i, s in enumerate(slowdowns)}
 
 
-def c13(per_layer, step):
-    return {"C13 shapes": {"dispatch_plus_combine_bytes_per_layer": per_layer, "forward_bytes_per_step": step,
-                           "forward_and_backward_bytes_per_step": 2 * step, "tokens_per_ep_group": 32768, "top_k": 2,
-                           "hidden_size": 4096}}
+def c13_figures(per_layer, layers, tokens, top_k, hidden, per_element, claim_shape):
+    formula = V.c13_closed_form(tokens, top_k, hidden, per_element)
+    return {"dispatch_plus_combine_bytes_per_layer": per_layer, "forward_bytes_per_step": per_layer * layers,
+            "forward_and_backward_bytes_per_step": 2 * per_layer * layers, "moe_layers": layers,
+            "tokens_per_step": tokens, "top_k": top_k, "hidden_size": hidden, "payload_bytes_per_element": per_element,
+            "closed_form_bytes_per_moe_layer": formula, "closed_form_bytes_per_step": formula * layers,
+            "measured_over_closed_form": per_layer / formula, "ep_size": 8, "claim_shape": claim_shape}
+
+
+def c13(per_layer, step, *published):
+    """The claim's shape (``per_layer``, ``step`` bytes) and published runs (per-layer bytes,
+    measured over the closed form of 1,000 tokens, top-2, H 100, 2 B: 800,000 B)."""
+    out = {"the claim's shape (H=4096, ...)": c13_figures(per_layer, step / per_layer, 32768, 2, 4096, 2, True)}
+    for i, ratio in enumerate(published):
+        out[f"model-{i} (configs/published: EP 8)"] = c13_figures(ratio * 800_000, 10, 1000, 2, 100, 2, False)
+    return out
 
 
 def c14(*drops):
@@ -136,9 +161,9 @@ def c16(*pairs):
 
 
 CASES = [
-    ("C1", c1(1.88), {"quick": False}, C),
-    ("C1", c1(1.2), {"quick": True}, F),
-    ("C1", {}, {"quick": False, "missing": "No sim backend."}, U),
+    ("C1", c1(1.88), {}, C),
+    ("C1", c1(1.2), {}, F),
+    ("C1", {}, {"missing": "No sim backend."}, U),
     ("C2", c2(17.5, 28.3), {}, C),
     ("C2", c2(35.5, 35.47), {}, F),
     ("C2", c2(17.5, 28.3, derived=False), {}, C),  # the config's budget, said so
@@ -190,7 +215,10 @@ CASES = [
     ("C12", c12(8.0), {}, F),
     ("C12", {}, {}, U),
     ("C13", c13(0.94e9, 30.1e9), {}, C),
+    ("C13", c13(0.94e9, 30.1e9, 0.875, 1.0), {}, C),
+    ("C13", c13(0.94e9, 30.1e9, 0.875, 1.72), {}, C),  # the claim's shape and one published run agree
     ("C13", c13(0.5e9, 16e9), {}, F),
+    ("C13", c13(0.5e9, 16e9, 0.5), {}, F),
     ("C13", {}, {}, U),
     ("C14", c14(0.0, 0.0009), {}, H),
     ("C14", c14(0.0, 0.26), {}, C),
@@ -276,6 +304,46 @@ def test_c16_verdict_follows_the_gains_against_the_shares():
     assert judged("C16", c16(("sim", 0.30, 0.21, 0.0), healthy)).verdict == U  # none above 35%
     assert V.c16_check([(0.41, 0.21, 0.0), (0.21, 0.04, 0.0)]) is True
     assert V.c16_check([(0.41, 0.21, 0.0), (0.30, 0.0, 0.0)]) is None
+
+
+def test_c1_judges_the_seed_system_over_megatron_and_names_the_refusal():
+    # Megatron-LM 3.807 s, MegaScale-MoE 2.945 s (x1.29), the seed's system 2.0 s: 3.807 / 2.0 = x1.90
+    c = judged("C1", c1(3.807 / 2.0, published=3.807 / 2.945))
+    assert c.verdict == C  # within 10% of 1.88
+    assert "x1.29 (published: 1.88x" in c.why and "x1.90 over Megatron-LM" in c.why
+    assert "paging: refused (pager.enabled = True: not with pipelines)" in c.why
+    assert "without paging" in c.conditions
+    # the MegaScale layout alone at x1.88 decides nothing: the seed's system is what the claim is about
+    assert judged("C1", c1(1.2, published=1.88)).verdict == F
+    assert judged("C1", c1(1.88, published=1.0, refused=False)).verdict == C
+    assert "without" not in judged("C1", c1(1.88, refused=False)).conditions
+
+
+def test_c13_closed_form_is_the_claims_arithmetic_on_each_models_shape():
+    # B 32,768, top-2, H 4,096, fp16: 2 x 0.5 GiB = 1,073,741,824 B a layer, 32 layers: 34.4 GB a step
+    assert V.c13_closed_form(32768, 2, 4096, 2) == 2**30
+    assert V.c13_closed_form(1000, 2, 100, 2) == 800_000
+    assert V.c13_closed_form(1000, 2, 100, 1) == 400_000  # an fp8 payload
+    assert V.c13_check(700_000, 800_000) and V.c13_check(920_000, 800_000)  # within 15%
+    assert not V.c13_check(679_000, 800_000) and not V.c13_check(921_000, 800_000)
+    c = judged("C13", c13(0.94e9, 30.1e9, 0.875, 1.72))
+    assert c.verdict == C and "model-0" in c.conditions and "model-1" not in c.conditions.split("Agrees on:")[1]
+    assert "2 x 1000 x 2 x 100 x 2 B = 0.0008 GB (x0.875, EP 8)" in c.why
+    assert "the claim's shape" in c.conditions  # 0.94 GB and 30.1 GB: within 15% of 1 GB and 32 GB
+    assert judged("C13", c13(0.5e9, 16e9, 0.875)).verdict == C  # the closed form holds where the literal does not
+
+
+def test_c16_counts_the_published_pairs_on_their_bands():
+    healthy = ("sim", 0.21, 0.04, 0.0)
+    entries = c16(healthy)
+    entries["qwen3-235b (configs/published), simulated: payload model dtype vs fp8"] = {
+        "a2a_share_of_step": 0.39, "band": V.c16_band(0.39), "step_time_s": 1.0, "step_time_fp8_payload_s": 0.907,
+        "step_gain_with_fp8_payload": 0.093, "gain_noise": 0.0, "published": True}
+    c = judged("C16", entries)
+    assert c.verdict == C  # 9.3% against 4%: more than 1 pp apart
+    assert "qwen3-235b: 39% (A2A-bound (> 35%)), fp8 payload step +9.3%" in c.why
+    entries["qwen3-235b (configs/published), simulated: payload model dtype vs fp8"]["step_gain_with_fp8_payload"] = 0.045
+    assert judged("C16", entries).verdict == F  # 4.5% against 4%: less than 1 pp apart
 
 
 # ---- C2's page budget -----------------------------------------------------------------------
