@@ -224,7 +224,8 @@ def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, recv_splits: list[int], s
     return None
 
 
-def _coded_all_to_all(comm: Comm, x, send_splits, recv_splits, members, group, codec, scale):
+def coded_all_to_all(comm: Comm, x, send_splits, recv_splits, members, group, codec, scale):
+    """``comm.all_to_all`` of ``x``'s rows, compressed by ``codec`` (or None) on the wire at ``scale``."""
     if codec is None:
         return comm.all_to_all(x, send_splits, recv_splits, members, group)
     out = comm.all_to_all(codec.encode(x, scale), send_splits, recv_splits, members, group)
@@ -250,13 +251,13 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Comm, send_splits, recv_splits, members, group, codec=None):
         ctx.args = (comm, send_splits, recv_splits, members, group, codec)
-        return _coded_all_to_all(comm, x, send_splits, recv_splits, members, group, codec, 1.0)
+        return coded_all_to_all(comm, x, send_splits, recv_splits, members, group, codec, 1.0)
 
     @staticmethod
     def backward(ctx, grad):
         comm, send_splits, recv_splits, members, group, codec = ctx.args
         scale = codec.grad_scale if codec else 1.0
-        back = _coded_all_to_all(comm, grad.contiguous(), recv_splits, send_splits, members, group, codec, scale)
+        back = coded_all_to_all(comm, grad.contiguous(), recv_splits, send_splits, members, group, codec, scale)
         return back, None, None, None, None, None, None
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from real.comm.collectives import Comm, PayloadCodec
+from real.comm.collectives import Comm, PayloadCodec, coded_all_to_all
 from real.comm.exchange_plan import ranges
 
 
@@ -56,12 +56,7 @@ class ExpertTensorGroup:
         p = len(self.members)
         send = [int(x_NH.shape[0])] * p
         recv = self.rows_M.tolist()
-        out_x = x_NH.repeat(p, 1)
-        if self.codec is None:
-            got = self.comm.all_to_all(out_x, send, recv, self.members, self.group)
-        else:
-            got = self.codec.decode(self.comm.all_to_all(self.codec.encode(out_x, scale), send, recv, self.members,
-                                                         self.group), x_NH.dtype, scale)
+        got = coded_all_to_all(self.comm, x_NH.repeat(p, 1), send, recv, self.members, self.group, self.codec, scale)
         return got.index_select(0, self._on(self.to_experts, got.device))
 
     def scatter(self, y_RH: torch.Tensor) -> torch.Tensor:
