@@ -114,6 +114,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from testbed.core.errors import ScenarioError
+from testbed.model.memory_bound_kernels import ffn_activation_bytes
 from testbed.model.transformer_shape import TransformerShape
 
 FIELD = "transformer.recompute_modules"
@@ -221,6 +222,12 @@ def fp8_cached(tensor: KeptTensor, moe: bool) -> bool:
     if tensor.fixed_bytes or tensor.name not in FP8_CACHED_INPUTS:
         return False
     return not (moe and tensor.name == "pre_mlp_norm_output")
+
+
+def _activation(width: int, matrices: int) -> int:
+    """Elements an FFN activation's forward reads and writes per token or row: the kernel's
+    bytes in ``testbed.model.memory_bound_kernels`` at one byte an element."""
+    return int(ffn_activation_bytes(width, matrices, 1)[0])
 
 
 def _by(*modules: str) -> frozenset:
@@ -335,19 +342,19 @@ class LayerRecompute:
                                  token_kernel_elements=(4 if self.dropout else 2) * scores)
         if module == "mlp" and not self.moe:
             return RecomputeWork(token_linears=tuple(s.ffn_linears(s.dense_ffn)),
-                                 token_kernel_elements=m * s.dense_ffn + (2 * h if self.norms_fused else 0))
+                                 token_kernel_elements=_activation(s.dense_ffn, m) + (2 * h if self.norms_fused else 0))
         if module == "moe_act" and self.moe:
-            return RecomputeWork(row_kernel_elements=m * s.expert_ffn)
+            return RecomputeWork(row_kernel_elements=_activation(s.expert_ffn, m))
         if module == "moe" and self.moe:
             routed = RecomputeWork(token_linears=((h, s.experts),), row_linears=tuple(s.ffn_linears(s.expert_ffn)),
                                    token_kernel_elements=2 * s.experts,  # the scores: logits read, scores written
                                    # the activation; the permutation and its inverse read and write each row
-                                   row_kernel_elements=m * s.expert_ffn + 4 * h, dispatches=1)
+                                   row_kernel_elements=_activation(s.expert_ffn, m) + 4 * h, dispatches=1)
             return self.work("shared_experts") + routed
         if module == "shared_experts" and self.moe and s.shared_experts:
             width, gate = s.shared_experts * s.shared_ffn_width, s.shared_gate
             linears = tuple(s.ffn_linears(width)) + (((h, 1),) if gate else ())
-            return RecomputeWork(token_linears=linears, token_kernel_elements=m * width + (2 * h if gate else 0))
+            return RecomputeWork(token_linears=linears, token_kernel_elements=_activation(width, m) + (2 * h if gate else 0))
         if module == "layernorm":
             own = (mla or not self.norms_fused) + (self.moe or not self.norms_fused)
             return RecomputeWork(token_kernel_elements=own * 2 * h)
