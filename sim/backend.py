@@ -46,6 +46,7 @@ from testbed.policy.collectives import ByteLedger, reduce_scatter_runs_as_all_re
 from testbed.policy.combined_1f1b import check_combined_1f1b
 from testbed.policy.controller import Controller
 from testbed.policy.distributed_optimizer import check_distributed_optimizer
+from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel
 from testbed.policy.page_moves import add_reason_counts, page_move_count
 from testbed.policy.pipeline_stages import PipelineStages, RankStages, check_pipeline, pipelined, rank_scenario
 from testbed.policy.step_decisions import LayerBackward, LayerForward
@@ -337,13 +338,15 @@ class SimBackend:
 
     def check(self, scenario: Scenario, resume=None, force: bool = False) -> None:
         """What can refuse the run before a folder is written: model features this scenario
-        uses that the simulator cannot model here (``sim.hardware.model_support``), and a
-        pipeline's stages, layout and schedule (``testbed.policy.pipeline_stages``)."""
+        uses that the simulator cannot model here (``sim.hardware.model_support``), a
+        pipeline's stages, layout and schedule (``testbed.policy.pipeline_stages``), and what
+        expert TP cannot run with (``testbed.policy.expert_tensor_parallel``)."""
         check_pipeline(scenario)
         if scenario.workload.trace and pipelined(scenario):  # the trace's shape, before a folder is written
             pipeline_trace(scenario)
         check_combined_1f1b(scenario)  # Megatron-Core's conditions, pipelined or not
         check_distributed_optimizer(scenario)  # Megatron-LM's conditions of --overlap-param-gather
+        check_expert_tensor_parallel(scenario)  # what expert TP runs with (the planner checks it too)
         check_model_support(scenario, load_profile(scenario.cluster.profile))
 
     def run(self, scenario: Scenario, *, progress: bool = False, on_step=None) -> RunResult:

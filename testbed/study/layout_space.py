@@ -26,7 +26,6 @@ from typing import Any
 
 from testbed.core.errors import ScenarioError
 from testbed.layout.process_groups import build_process_groups
-from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel
 from testbed.run.backend import get_backend
 from testbed.run.features import check_features
 from testbed.scenario.scenario import DERIVED_BY_BATCH, Scenario
@@ -95,7 +94,6 @@ def simulator_check(scenario: Scenario) -> None:
     p = scenario.parallelism
     build_process_groups(scenario.world_size, p.tp_size, p.cp_size, p.pp_size, p.ep_size, p.etp_size, p.moe_layout)
     check_features(scenario, "sim")
-    check_expert_tensor_parallel(scenario)  # the planner's, when the run starts
     get_backend("sim").check(scenario)
 
 
