@@ -210,7 +210,7 @@ class ClusterSim:
                                     host_s=stage_host_seconds(profile, s),
                                     copy_time=copy_timer(self.fabric, s.world_size, self.copy_latency),
                                     scale_fitted=compute_scale_fitted(profile, s.world_size, shared),
-                                    sm_count=profile.compute.sm_count,
+                                    sm_count=profile.compute.sm_count, nccl_sms=profile.collectives.kernel_sms,
                                     op_seconds=op_timer(self.timer, s.world_size), model=scenario,
                                     pipeline_stage=pipeline_stage)
         self.faults = Faults(s, self.fabric)

@@ -25,6 +25,16 @@ F x H), so 2 x 3 x tokens x H x F FLOPs forward and 1.5 x gelu's weight bytes at
 its gate and up run as one GEMM (Megatron-Core's linear_fc1 of 2 F), so the launches stay
 2 forward and 4 backward.
 
+GEMM efficiency by shape (``compute.gemm``, ``sim.hardware.gemm_efficiency``; the h100, h800
+and h200 profiles): every GEMM is timed at its own (m, n, k), at the curve's efficiency times
+its shape's correction (tiles and waves over the SMs, K depth) against the shape the curve was
+measured at, the larger of that and its A, B and C bytes at ``memory_GBps``, at least one
+launch. An expert's GEMMs (``expert_gemm_shapes``): fc1 T x H x (matrices - 1) F, fc2
+T x F x H forward; backward their input gradients (n and k swapped) and weight gradients
+(depth T); grouped, all experts' tiles in one launch. A dense linear's (``linear_shape``): the
+tensor-parallel group's rows against its column- or row-parallel slice. Without
+``compute.gemm`` (CPU profiles, the a100 seed) the curves alone, as above.
+
 FP8 GEMMs (``model.gemm_dtype = "fp8"``, ``testbed.model.fp8_casts``): the linear
 layers' GEMMs (experts, shared experts, attention projections, dense FFNs) run at the
 profile's ``compute.peak_tflops.fp8`` times the same efficiency curves and read their
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sim.hardware.gemm_efficiency import ShapeModel, gemm_bytes
 from sim.hardware.software_latency import fit_at
 from testbed.core.errors import ScenarioError
 from testbed.model.fp8_casts import FP8_BYTES, gemm_cast_bytes
@@ -76,6 +87,8 @@ class ComputeModel:
         self.memory_bw = profile.compute.memory_GBps * 1e9  # bytes/s
         self.launch = profile.compute.launch_us * 1e-6  # s
         self.scale = 1.0 if shared_cores else contention_factor(profile, world)
+        #: GEMM efficiency by shape (``compute.gemm``; off: the curves alone, as on CPU profiles)
+        self.shapes = ShapeModel(profile)
 
     def expert_time(self, tokens_per_expert, hidden: int, ffn: int, kernel: str = "grouped",
                     backward: bool = False, matrices: int = 2) -> float:
@@ -89,6 +102,8 @@ class ComputeModel:
         experts of ``matrices`` matrices (2: gelu, 3: SwiGLU); with fp8 GEMMs their casts
         besides (``expert_cast_bytes``)."""
         t = np.asarray(tokens, dtype=np.float64)
+        if self.shapes.enabled:
+            return self._shaped_expert_times(t, hidden, ffn, kernel, backward, matrices)
         mult = 2 if backward else 1
         gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
         flops = (2.0 * matrices) * t * hidden * ffn * mult  # per expert
@@ -112,6 +127,46 @@ class ComputeModel:
             seconds = seconds + self.expert_cast_bytes(t, hidden, ffn, matrices, backward).sum(axis=1) / self.memory_bw
         return np.where(idle, 0.0, seconds * self.scale)
 
+    def _shaped_expert_times(self, t: np.ndarray, hidden: int, ffn: int, kernel: str, backward: bool,
+                             matrices: int) -> np.ndarray:
+        """``expert_times`` with GEMM efficiency by shape (``compute.gemm``, module doc): each
+        of an expert's GEMMs (``expert_gemm_shapes``) at its curve's efficiency times its shape's
+        correction, the larger of that and its A, B and C bytes at ``memory_GBps``; ``grouped``:
+        every expert's tiles in one launch per GEMM (its waves over all of them), the curve at
+        the mean tokens per expert; ``loop``: each expert's GEMMs alone, at least their launches."""
+        if kernel not in ("grouped", "loop"):
+            raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+        eff, sm = self.profile.compute.efficiency_at, self.shapes
+        in_bytes, out_bytes = (FP8_BYTES if self.fp8 else self.dtype_bytes), self.dtype_bytes
+        gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
+        active = t > 0
+        idle = ~active.any(axis=1)
+        if kernel == "grouped":
+            mean = np.maximum(t.mean(axis=1), 1e-12)
+            base = self.gemm_peak * eff("grouped", mean) / sm.expert_reference_factor(mean, self.fp8, grouped=True)
+            seconds = np.zeros(t.shape[0])
+            for m, n, k in expert_gemm_shapes(t, hidden, ffn, matrices, backward):
+                m, n, k = (np.where(active, np.broadcast_to(v, t.shape), 0.0) for v in (m, n, k))
+                flops = 2.0 * m * n * k
+                factor = sm.grouped_factor(m, n, k, self.fp8)
+                compute = flops.sum(axis=1) / (base * np.where(idle, 1.0, factor))
+                memory = gemm_bytes(m, n, k, in_bytes, out_bytes).sum(axis=1) / self.memory_bw
+                seconds = seconds + np.maximum(compute, memory)
+            seconds = np.maximum(seconds, gemms * self.launch)
+        else:
+            x = np.where(active, t, 1.0)
+            base = self.gemm_peak * eff("loop", x) / sm.expert_reference_factor(x, self.fp8, grouped=False)
+            per_expert = np.zeros(t.shape)
+            for m, n, k in expert_gemm_shapes(x, hidden, ffn, matrices, backward):  # idle experts: dropped below
+                m, n, k = (np.broadcast_to(v, t.shape) for v in (m, n, k))
+                compute = 2.0 * m * n * k / (base * sm.shape_factor(m, n, k, self.fp8))
+                memory = gemm_bytes(m, n, k, in_bytes, out_bytes) / self.memory_bw
+                per_expert = per_expert + np.maximum(compute, memory)
+            seconds = np.where(active, np.maximum(per_expert, gemms * self.launch), 0.0).sum(axis=1)
+        if self.fp8:
+            seconds = seconds + self.expert_cast_bytes(t, hidden, ffn, matrices, backward).sum(axis=1) / self.memory_bw
+        return np.where(idle, 0.0, seconds * self.scale)
+
     def expert_cast_bytes(self, tokens, hidden: int, ffn: int, matrices: int = 2, backward: bool = False):
         """[..., experts] bytes of the fp8 casts of each expert's two GEMMs on ``tokens``
         rows (``testbed.model.fp8_casts.gemm_cast_bytes``): H x (matrices - 1) F, then F x H."""
@@ -120,17 +175,63 @@ class ComputeModel:
                    for k, n in ((hidden, (matrices - 1) * ffn), (ffn, hidden)))
 
     def linears_time(self, rows: int, linears: list[tuple[int, int]], backward: bool = False,
-                     recompute: bool = False) -> float:
+                     recompute: bool = False, splits=None, tp: int = 1) -> float:
         """Seconds of the linear layers ``linears`` ((inputs, outputs) each) on ``rows``
         tokens as dense GEMMs (the ``dense`` curve by rows, at the GEMMs' ceiling), forward
-        or backward (twice the FLOPs; with ``recompute`` the forward first), with fp8's casts."""
+        or backward (twice the FLOPs; with ``recompute`` the forward first), with fp8's casts.
+        With GEMM efficiency by shape, each linear is one GEMM of the shape ``linear_shape``
+        gives it (``splits``, ``tp``), its backward the input and weight gradients' GEMMs."""
+        casts = self.linears_cast_seconds(rows, linears) if self.fp8 else 0.0
+        if self.shapes.enabled:
+            seconds = self.linears_gemm_seconds(rows, linears, splits=splits, tp=tp)
+            if not backward:
+                return seconds + casts
+            out = self.linears_gemm_seconds(rows, linears, True, splits, tp) \
+                + (self.linears_cast_seconds(rows, linears, backward=True) if self.fp8 else 0.0)
+            return out + (seconds + casts if recompute else 0.0)
         flops = 2.0 * rows * sum(k * n for k, n in linears)
         seconds = self.gemm_time(flops, rows, "dense", fp8=True)
-        casts = self.linears_cast_seconds(rows, linears) if self.fp8 else 0.0
         if not backward:
             return seconds + casts
         out = 2.0 * seconds + (self.linears_cast_seconds(rows, linears, backward=True) if self.fp8 else 0.0)
         return out + (seconds + casts if recompute else 0.0)
+
+    def linears_gemm_seconds(self, rows: int, linears: list[tuple[int, int]], backward: bool = False,
+                             splits=None, tp: int = 1, fp8: bool = True) -> float:
+        """Seconds of the GEMMs alone (no casts) of ``linears`` on ``rows`` tokens, forward or
+        backward: each linear one GEMM of ``linear_shape`` (``splits[i]``: column, row or whole
+        over ``tp`` GPUs; none: whole), timed by ``shaped_gemm_seconds``; without a shape model
+        the ``dense`` curve by rows on their FLOPs (twice in the backward), as ``linears_time``."""
+        if not self.shapes.enabled:
+            seconds = self.gemm_time(2.0 * rows * sum(k * n for k, n in linears), rows, "dense", fp8=fp8)
+            return 2.0 * seconds if backward else seconds
+        splits = splits or ["whole"] * len(linears)
+        return sum(self.shaped_gemm_seconds(*linear_shape(rows, k, n, split, tp), rows, fp8=fp8, backward=backward)
+                   for (k, n), split in zip(linears, splits))
+
+    def shaped_gemm_seconds(self, m, n, k, rows, kernel: str = "dense", fp8: bool = False,
+                            backward: bool = False) -> float:
+        """Seconds of one GEMM of (m, n, k) (forward; backward: its input gradient (m, k, n)
+        and weight gradient (k, n, m)) at the ``kernel`` curve's efficiency at ``rows`` times
+        the shape's correction (``sim.hardware.gemm_efficiency``), or its A, B and C bytes at
+        ``memory_GBps``, or one launch each, whichever is slowest; ``fp8``: a linear layer's
+        GEMM (at fp8's ceiling and bytes under fp8 GEMMs). Without a shape model
+        ``gemm_time`` on its FLOPs (twice in the backward)."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        if not self.shapes.enabled:
+            seconds = self.gemm_time(2.0 * m * n * k, rows, kernel, fp8=fp8)
+            return 2.0 * seconds if backward else seconds
+        low = fp8 and self.fp8
+        peak = self.gemm_peak if fp8 else self.peak
+        base = peak * self.profile.compute.efficiency_at(kernel, rows) / self.shapes.dense_reference_factor(low)
+        in_bytes = FP8_BYTES if low else self.dtype_bytes
+        out = 0.0
+        for a, b, c in (((m, k, n), (k, n, m)) if backward else ((m, n, k),)):
+            compute = 2.0 * a * b * c / (base * float(self.shapes.shape_factor(a, b, c, low)))
+            memory = float(gemm_bytes(a, b, c, in_bytes, self.dtype_bytes)) / self.memory_bw
+            out += max(compute, memory, self.launch)
+        return out * self.scale
 
     def linears_cast_seconds(self, rows, linears: list[tuple[int, int]], backward: bool = False) -> float:
         """Seconds of the fp8 casts of ``linears``' GEMMs on ``rows`` tokens at memory bandwidth (0 without fp8)."""
@@ -154,6 +255,9 @@ class ComputeModel:
         plus the profile's fixed router cost."""
         if tokens <= 0:
             return 0.0
+        if self.shapes.enabled:  # tokens x H times H x E by shape (its A, B and C bytes its memory time)
+            return self.shaped_gemm_seconds(tokens, experts, hidden, tokens) \
+                + self.profile.overheads.router_us * 1e-6 * self.scale
         flops = 2.0 * tokens * hidden * experts
         compute = flops / (self.peak * self.profile.compute.efficiency_at("dense", tokens))
         memory = tokens * hidden * self.dtype_bytes / self.memory_bw
@@ -224,6 +328,34 @@ class ComputeModel:
     def heat_update_time(self, experts: int) -> float:
         """One heat-map update over ``experts`` experts (M18)."""
         return experts * self.profile.overheads.heat_update_us_per_expert * 1e-6 * self.scale
+
+
+def expert_gemm_shapes(tokens, hidden: int, ffn: int, matrices: int = 2, backward: bool = False):
+    """(m, n, k) of an expert's GEMMs on ``tokens`` rows (arrays broadcast): forward its
+    fc1 (T x H times H x (matrices - 1) F: SwiGLU's gate and up fused, Megatron-Core's
+    linear_fc1) and fc2 (T x F times F x H); backward each one's input gradient (m, k, n)
+    and weight gradient (k, n, m: its depth is the tokens)."""
+    t = np.asarray(tokens, dtype=np.float64)
+    wide = (matrices - 1) * ffn
+    forward = [(t, wide, hidden), (t, hidden, ffn)]
+    if not backward:
+        return forward
+    return [(m, k, n) for m, n, k in forward] + [(k, n, m) for m, n, k in forward]
+
+
+def linear_shape(rows: int, inputs: int, outputs: int, split: str = "whole", tp: int = 1):
+    """(m, n, k) of one GPU's GEMM of a linear layer of ``inputs`` x ``outputs`` on its
+    ``rows`` tokens under tensor parallelism over ``tp`` GPUs with sequence parallelism
+    (Megatron-Core's ColumnParallelLinear / RowParallelLinear: the group's tp x rows rows
+    gathered): ``column`` 1/tp of the outputs, ``row`` 1/tp of the inputs (the depth),
+    ``whole`` the GPU's own rows against the whole weight. The same FLOPs in each."""
+    if split == "column":
+        return tp * rows, outputs / tp, inputs
+    if split == "row":
+        return tp * rows, outputs, inputs / tp
+    if split == "whole":
+        return rows, outputs, inputs
+    raise ValueError(f"unknown split {split!r} (column, row or whole)")
 
 
 def contention_factor(profile: MachineProfile, world: int) -> float:

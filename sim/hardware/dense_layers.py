@@ -94,7 +94,7 @@ from collections import Counter
 
 import numpy as np
 
-from sim.hardware.compute import ComputeModel
+from sim.hardware.compute import ComputeModel, linear_shape
 from testbed.model.fp8_casts import cached_input_bytes, linears_copy_bytes
 from testbed.model.memory_bound_kernels import (
     attention_sublayer_bytes,
@@ -118,6 +118,21 @@ from testbed.scenario.scenario import Scenario
 #: the recompute modules of a layer's attention and dense FFN, recomputed before its block's
 #: backward (the MoE FFN's, moe_act, moe and shared_experts, before the MoE layer's: the phase builder's)
 BLOCK_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "mla_up_proj")
+
+
+#: how a dense FFN's two linears split over tensor-parallel GPUs (Megatron-Core's MLP: linear_fc1
+#: column-parallel, linear_fc2 row-parallel); the shared experts' the same
+FFN_SPLITS = ("column", "row")
+
+
+def attention_splits(shape) -> list[str]:
+    """How each of ``shape.attention_linears`` splits over tensor-parallel GPUs (Megatron-Core):
+    GQA's fused Q, K, V column-parallel and O row-parallel; MLA's down projections whole on each
+    GPU's own rows (``mla_down_projection_params``), its up projections column-parallel, O row."""
+    if shape.attention != "mla":
+        return ["column", "row"]
+    q = ["whole", "column"] if shape.q_lora_rank else ["column"]
+    return q + ["whole", "column", "row"]
 
 
 def kernel_seconds(compute: ComputeModel, elements):
@@ -167,12 +182,22 @@ class DenseLayers:
                           "recompute_modules": self.modules, "dtype_bytes": m.dtype_bytes,
                           # fp8 GEMMs: the linears' inputs kept quantized (testbed.model.fp8_casts)
                           "fp8_input_bytes": cached_input_bytes(m.fp8_scaling) if compute.fp8 else 0.0}
+        #: GPUs a dense weight is split over (tensor parallelism; 1 under Ulysses) and how each of a layer's
+        #: attention projections is split (Megatron-Core's column- and row-parallel linears): the shapes
+        #: of their GEMMs under GEMM efficiency by shape (``ComputeModel.linears_gemm_seconds``)
+        self.tp = dense_weight_split(s)
+        self.attention_splits = attention_splits(shape)
         self._core = {}  # sliding -> forward seconds of one layer's attention core (_attention_parts)
         self._attention = {w: self._attention_parts(w) for w in (False, True)}
         ffn_linears = shape.ffn_linears(shape.dense_ffn)
-        self._ffn = (compute.gemm_time(2.0 * tokens * shape.dense_ffn_matrix_params, tokens, "dense", fp8=True),
-                     compute.linears_cast_seconds(tokens, ffn_linears),
-                     compute.linears_cast_seconds(tokens, ffn_linears, backward=True))
+        ffn_gemm = (compute.linears_gemm_seconds(tokens, ffn_linears, splits=FFN_SPLITS, tp=self.tp)
+                    if compute.shapes.enabled else
+                    compute.gemm_time(2.0 * tokens * shape.dense_ffn_matrix_params, tokens, "dense", fp8=True))
+        #: (forward GEMM seconds, forward cast seconds, backward cast seconds, backward GEMM seconds) of a dense FFN
+        self._ffn = (ffn_gemm, compute.linears_cast_seconds(tokens, ffn_linears),
+                     compute.linears_cast_seconds(tokens, ffn_linears, backward=True),
+                     compute.linears_gemm_seconds(tokens, ffn_linears, True, FFN_SPLITS, self.tp)
+                     if compute.shapes.enabled else 2.0 * ffn_gemm)
         self._attention_copies = self._copies(shape.attention_linears)
         #: memory-bound kernels (testbed.model.memory_bound_kernels) on the rank's tokens, (forward,
         #: backward) seconds: of an attention sublayer, a dense-FFN sublayer, an MoE FFN's norm and residual
@@ -198,10 +223,16 @@ class DenseLayers:
             self.held_bytes.append(held)
         #: the output head's forward (the embedding is a lookup) and backward seconds: the model's
         #: and each MTP module's, after the last MoE layer
-        head = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens, kernel="dense")
+        if compute.shapes.enabled:  # the head: column-parallel over the vocabulary, at the model dtype
+            head_shape = linear_shape(tokens, h, t.vocab_size, "column", self.tp)
+            head = compute.shaped_gemm_seconds(*head_shape, tokens)
+            head_back = compute.shaped_gemm_seconds(*head_shape, tokens, backward=True)
+        else:
+            head = compute.gemm_time(2.0 * tokens * h * t.vocab_size, tokens, kernel="dense")
+            head_back = 2.0 * head
         loss = loss_bytes(t.vocab_size, m.dtype_bytes)  # the cross-entropy's memory-bound kernels
         self.head_forward_s = (1 + mtp) * (head + compute.memory_seconds(tokens * loss.forward_token))
-        self.head_backward_s = (1 + mtp) * (2.0 * head + compute.memory_seconds(tokens * loss.backward_token))
+        self.head_backward_s = (1 + mtp) * (head_back + compute.memory_seconds(tokens * loss.backward_token))
         #: logits kept for the loss's backward (the model's and each MTP module's)
         self.head_activation_bytes = (1 + mtp) * tokens * t.vocab_size * m.dtype_bytes
         self.head_held_bytes = self.head_activation_bytes
@@ -228,11 +259,18 @@ class DenseLayers:
     def _copies(self, linears) -> float:
         return float(linears_copy_bytes(linears, self.s.model.fp8_scaling)) if self.compute.fp8 else 0.0
 
-    def _attention_parts(self, sliding: bool) -> tuple[float, float, float]:
-        """(forward GEMM and core seconds, forward cast seconds, backward cast seconds) of one
-        layer's attention, over the whole sequence or a sliding window."""
+    def _attention_parts(self, sliding: bool) -> tuple[float, float, float, float]:
+        """(forward GEMM and core seconds, forward cast seconds, backward cast seconds, backward
+        GEMM and core seconds) of one layer's attention, over the whole sequence or a sliding
+        window."""
         shape, c, tokens, t = self.shape, self.compute, self.tokens, self.s.transformer
-        gemms = c.gemm_time(2.0 * tokens * shape.attention_matrix_params, tokens, kernel="dense", fp8=True)
+        linears = shape.attention_linears
+        if c.shapes.enabled:
+            gemms = c.linears_gemm_seconds(tokens, linears, splits=self.attention_splits, tp=self.tp)
+            gemms_back = c.linears_gemm_seconds(tokens, linears, True, self.attention_splits, self.tp)
+        else:
+            gemms = c.gemm_time(2.0 * tokens * shape.attention_matrix_params, tokens, kernel="dense", fp8=True)
+            gemms_back = 2.0 * gemms
         if shape.attention == "mla":
             core_flops = tokens * shape.attention_core_flops_per_token(t.seq_len, sliding)
         else:
@@ -240,8 +278,8 @@ class DenseLayers:
             core_flops = attention_core_flops(tokens, t.seq_len, shape.heads * shape.head_dim, window=window)
         # under CP each of the ring's steps runs a kernel on the GPU's seq_len / cp queries of a sequence
         core = self._core[sliding] = c.gemm_time(core_flops, self.local_seq, kernel="attention")
-        linears = shape.attention_linears
-        return gemms + core, c.linears_cast_seconds(tokens, linears), c.linears_cast_seconds(tokens, linears, True)
+        return (gemms + core, c.linears_cast_seconds(tokens, linears), c.linears_cast_seconds(tokens, linears, True),
+                gemms_back + 2.0 * core)
 
     def ring_core_s(self, layer: int, backward: bool) -> list[float]:
         """Context parallelism: seconds of the attention core of each attention sublayer of
@@ -293,7 +331,9 @@ class DenseLayers:
         kernel_f = grouped_sum(kernels, lambda k: self._kernels[k][0])
         kernel_b = grouped_sum(kernels, lambda k: self._kernels[k][1])
         forward = gemm + cast_f + kernel_f
-        backward = 2.0 * gemm + cast_b + kernel_b + (forward if self.recompute else 0.0)
+        # by shape the backward's GEMMs are the input and weight gradients' own; else twice the forward's
+        gemm_b = grouped_sum(parts, lambda k: piece(k)[3]) if self.compute.shapes.enabled else 2.0 * gemm
+        backward = gemm_b + cast_b + kernel_b + (forward if self.recompute else 0.0)
         if self.modules:  # each layer's recompute, before its backward (on the critical path)
             backward += grouped_sum([(shape.is_moe_layer(i), shape.is_sliding_layer(i)) for i in layers],
                                     lambda k: self.recompute_s(*k))
@@ -308,10 +348,15 @@ class DenseLayers:
         m, c, tokens, h = self.s.model, self.compute, self.tokens, self.s.model.hidden_size
         projection = [(2 * h, h)]
         attention = self._attention[False]
-        gemm = c.gemm_time(2.0 * tokens * 2 * h * h, tokens, "dense", fp8=True) + attention[0]
+        if c.shapes.enabled:  # the projection column-parallel (Megatron-Core's eh_proj)
+            gemm = c.linears_gemm_seconds(tokens, projection, splits=["column"], tp=self.tp) + attention[0]
+            gemm_b = c.linears_gemm_seconds(tokens, projection, True, ["column"], self.tp) + attention[3]
+        else:
+            gemm = c.gemm_time(2.0 * tokens * 2 * h * h, tokens, "dense", fp8=True) + attention[0]
+            gemm_b = 2.0 * gemm
         kernel_f, kernel_b = (self._kernels["attention"][i] + self._kernels["moe"][i] for i in (0, 1))
         forward = gemm + c.linears_cast_seconds(tokens, projection) + attention[1] + kernel_f
-        backward = 2.0 * gemm + c.linears_cast_seconds(tokens, projection, True) + attention[2] + kernel_b \
+        backward = gemm_b + c.linears_cast_seconds(tokens, projection, True) + attention[2] + kernel_b \
             + (forward if self.recompute else 0.0)
         if self.modules:  # its layer's recompute (whole-sequence attention, an MoE FFN); the projection keeps its input
             backward += self.recompute_s(True, False)

@@ -75,11 +75,18 @@ class SharedExperts:
         recompute = t.enabled and t.recompute == "full"
         first, second = shape.ffn_linears(shape.shared_ffn_width)
         first_linears, second_linears = [first] * m.shared_experts, [second] * m.shared_experts
-        gate_s = compute.gemm_time(2.0 * tokens * h, tokens, "dense") if m.shared_expert_gate else 0.0
-        fwd = (compute.linears_time(tokens, first_linears), compute.linears_time(tokens, second_linears) + gate_s)
-        bwd = (compute.linears_time(tokens, second_linears, backward=True, recompute=recompute)
+        gate_s = 0.0
+        if m.shared_expert_gate:  # T x H times H x 1, at the model dtype (by shape: memory-bound)
+            gate_s = (compute.shaped_gemm_seconds(tokens, 1, h, tokens) if compute.shapes.enabled
+                      else compute.gemm_time(2.0 * tokens * h, tokens, "dense"))
+        # by shape (compute.gemm): fc1 column- and fc2 row-parallel over the tensor-parallel GPUs, as a dense FFN
+        tp = dense_weight_split(scenario)
+        split = {"splits": ["column"] * m.shared_experts, "tp": tp}, {"splits": ["row"] * m.shared_experts, "tp": tp}
+        fwd = (compute.linears_time(tokens, first_linears, **split[0]),
+               compute.linears_time(tokens, second_linears, **split[1]) + gate_s)
+        bwd = (compute.linears_time(tokens, second_linears, backward=True, recompute=recompute, **split[1])
                + (3.0 if recompute else 2.0) * gate_s,
-               compute.linears_time(tokens, first_linears, backward=True, recompute=recompute))
+               compute.linears_time(tokens, first_linears, backward=True, recompute=recompute, **split[0]))
         # their activation, a memory-bound kernel (testbed.model.memory_bound_kernels), with the first GEMM
         act = shared_expert_bytes(shape, m.dtype_bytes)
         fwd = (fwd[0] + compute.memory_seconds(tokens * act.forward_token), fwd[1])

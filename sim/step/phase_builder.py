@@ -66,14 +66,26 @@ counts the exchange once, the links (``wire_bytes_by_level``) carry it twice. It
 recomputed activations are held from its experts' recompute to the route_backward. The
 recompute's host work (measured profiles' stage costs) is not charged.
 
-DeepEP's SMs (``comm.token_strategy = "deepep"``): its kernels hold ``comm.deepep_sms``
-of the GPU's ``compute.sm_count`` SMs while they run (DeepSeek-V3 section 3.2.2: 20 of
-132), so compute that runs beside them runs on the rest, at ``1 - f`` of its speed
-(f = deepep_sms / sm_count; ``deepep_slowed``). Beside them means the micro-batched
+The exchange kernels' SMs: DeepEP's kernels (``comm.token_strategy = "deepep"``) hold
+``comm.deepep_sms`` of the GPU's ``compute.sm_count`` SMs while they run (DeepSeek-V3
+section 3.2.2: 20 of 132), NCCL's (alltoall and allgather) the profile's
+``collectives.kernel_sms`` (one CTA a channel, each on an SM of its own: nccl#689), so
+compute that runs beside them runs on the rest, at ``1 - f`` of its speed
+(f = SMs / sm_count; ``sm_slowed``). Beside them means the micro-batched
 exchange (M22): micro-batch j's experts run while the comm stream carries micro-batch
 j-1's combine and j+1's dispatch, and the shared experts beside the dispatch or the
 combine; in the in-order chain nothing else overlaps them. The overlap is taken as those
-ops' time alone on the fabric (``op_seconds``), both starting with the compute.
+ops' time alone on the fabric (``op_seconds``), both starting with the compute. Left out:
+a pipeline's sends beside the compute.
+
+NCCL's SMs under the sync stream (the profile's ``collectives.kernel_sms``): the gradient
+sync overlapped with the backward and the parameter all-gathers with the forward
+(``overlap.sync_with_backward``, ``sim.step.param_gather``) run NCCL kernels on the sync
+stream; each sync op adds its time alone to a [W] budget, and the compute phases issued
+after it run beside it, at ``1 - f`` of their speed until the budget is used up
+(``beside_sync``). Taken as if the sync ran from its issue and nothing but compute ran
+meanwhile: where the backward's exchanges run between, the slowdown is at most
+``f`` of the sync's time too much.
 """
 
 from __future__ import annotations
@@ -87,10 +99,10 @@ from sim.hardware.compute import ComputeModel
 from sim.hardware.dense_layers import DenseLayers, kernel_seconds
 from sim.hardware.shared_experts import SharedExperts
 from sim.step.context_parallel_ring import chain_block
+from sim.step.kernel_sms import exchange_sm_share, sm_slowed
 from sim.step.param_gather import ParamGathers
 from sim.step.phase_sizes import batches, buffer_bytes, defrag_pages, page_copy, split_op
 from sim.step.phases import Phase, StepDecisions, unhidden_seconds
-from testbed.core.errors import ScenarioError
 from testbed.core.stages import STAGES
 from testbed.model.fp8_casts import cached_input_bytes, linears_copy_bytes
 from testbed.model.memory_bound_kernels import expert_row_kernel_bytes, router_bytes, token_slot_bytes
@@ -132,7 +144,7 @@ class PhaseBuilder:
                  group_create_s: float, copy_overlap: float, create_on_all_ranks: bool = True,
                  host_s: dict[str, float] | None = None,
                  copy_time: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
-                 scale_fitted: bool = False, sm_count: int = 0,
+                 scale_fitted: bool = False, sm_count: int = 0, nccl_sms: int = 0,
                  op_seconds: Callable[[list[CollectiveOp]], np.ndarray] | None = None,
                  model: Scenario | None = None, pipeline_stage: bool = False):
         """``scenario``: the controller's (its MoE layers, ``testbed.model.mtp_layers``);
@@ -143,9 +155,10 @@ class PhaseBuilder:
         executors time it (needed when 0 < copy_overlap < 1);
         ``scale_fitted``: the compute model's contention factor is fitted, not measured at
         this world (``sim.hardware.software_latency.compute_scale_fitted``), so every compute
-        second is; ``sm_count``: the profile's ``compute.sm_count`` (deepep, module doc);
+        second is; ``sm_count``, ``nccl_sms``: the profile's ``compute.sm_count`` and
+        ``collectives.kernel_sms`` (the exchange kernels' SMs, module doc);
         ``op_seconds(ops)``: [W] seconds of a batch of concurrent ops on each member, each
-        op alone on the fabric (needed for deepep's SMs with micro-batches); ``pipeline_stage``:
+        op alone on the fabric (needed for the exchange kernels' SMs with micro-batches); ``pipeline_stage``:
         the step is one micro-batch of a pipeline stage's (``sim.pipeline.run``; the updated
         parameters' all-gathers, ``sim.step.param_gather``)."""
         self.s, self.layout, self.compute = scenario, layout, compute
@@ -159,13 +172,22 @@ class PhaseBuilder:
         self.copy_overlap, self.copy_time = float(copy_overlap), copy_time
         self.copies_overlap = copy_overlap > 0  # copies on the copy stream, beside the in-order work
         self.scale_fitted = scale_fitted
-        #: deepep: the share of the SMs its kernels hold (module doc); 0: they slow no compute
-        self.sm_share = deepep_sm_share(scenario, sm_count)
+        #: the share of the SMs the token exchange's kernels hold (module doc); 0: they slow no compute
+        self.sm_share = exchange_sm_share(scenario, sm_count, nccl_sms)
+        self.sm_count = sm_count
+        #: the share of the SMs NCCL's kernels hold (the gradient sync's and the parameter gathers' on the
+        #: sync stream, whatever the token strategy), and [W] seconds of sync ops issued and not yet run
+        #: beside compute (module doc)
+        self.nccl_share = nccl_sms / sm_count if 0 < nccl_sms < sm_count else 0.0
+        self.sync_beside = np.zeros(layout.world)
         #: the shared experts of each MoE layer (sim.hardware.shared_experts), and whether they overlap the exchange
         self.shared = SharedExperts(scenario, compute)
         self.shared_overlap = self.shared.enabled and scenario.overlap.shared_experts
         if self.sm_share > 0 and (scenario.overlap.micro_batches > 1 or self.shared_overlap) and op_seconds is None:
-            raise ValueError("deepep's SMs beside micro-batched or shared experts need op_seconds, to time the overlap")
+            raise ValueError("the exchange kernels' SMs beside micro-batched or shared experts need op_seconds, "
+                             "to time the overlap")
+        if scenario.overlap.tp_comm and sm_count > 0 and op_seconds is None:
+            raise ValueError("overlap.tp_comm's reduce-scatters beside the compute need op_seconds, to time the overlap")
         self.op_seconds = op_seconds
         m, w = scenario.model, layout.world
         #: expert TP: each GPU holds 1/etp of every local expert, its inner dimension ``expert_ffn``
@@ -333,6 +355,7 @@ class PhaseBuilder:
     # ---- building ---------------------------------------------------------------------------
     def build(self, d: StepDecisions) -> list[Phase]:
         self.phases: list[Phase] = []
+        self.sync_beside = np.zeros(self.layout.world)
         self.main = -1  # last phase of the in-order chain
         s, m, w = self.s, self.s.model, self.layout.world
         n = s.overlap.micro_batches
@@ -533,10 +556,23 @@ class PhaseBuilder:
     def add(self, stage, layer, kind, stream, deps, **data) -> int:
         if kind == "ops" and "mem_transient" not in data:
             data["mem_transient"] = buffer_bytes(data["ops"], self.layout.world)
+        if self.nccl_share > 0:
+            self.beside_sync(kind, stream, data)
         if kind == "compute" and self.scale_fitted and not data.get("fitted"):
             data["fitted_s"] = data["seconds"]  # every compute second is scaled by the fitted factor
         self.phases.append(Phase(stage, layer, kind, stream, tuple(x for x in deps if x >= 0), **data))
         return len(self.phases) - 1
+
+    def beside_sync(self, kind: str, stream: str, data: dict) -> None:
+        """NCCL's SMs under the sync stream (module doc): a sync op adds its time alone to what
+        runs beside the compute; a compute phase after it runs on the SMs left while that lasts
+        (``sm_slowed``) and uses it up."""
+        if kind == "ops" and stream == "sync" and self.op_seconds is not None:
+            self.sync_beside = self.sync_beside + self.batch_seconds(data["ops"])
+        elif kind == "compute" and stream == "compute" and self.sync_beside.any():
+            slowed = sm_slowed(np.asarray(data["seconds"], dtype=np.float64), self.sync_beside, self.nccl_share)
+            self.sync_beside = np.maximum(self.sync_beside - slowed, 0.0)
+            data["seconds"] = slowed
 
     def chain(self, stage, layer, kind, stream, **data) -> int:
         """A phase after the previous one of the in-order chain; it becomes the chain's end.
@@ -623,9 +659,9 @@ class PhaseBuilder:
 
     def shared_phase(self, stage, layer, deps, seconds, mem, beside_ops) -> int:
         """A shared-experts phase on the compute stream after ``deps``, beside ``beside_ops``
-        (their SMs taken by deepep's kernels: ``deepep_slowed``)."""
+        (their SMs taken by the exchange's kernels: ``sm_slowed``)."""
         if self.sm_share > 0 and beside_ops:
-            seconds = deepep_slowed(seconds, self.batch_seconds(beside_ops), self.sm_share)
+            seconds = sm_slowed(seconds, self.batch_seconds(beside_ops), self.sm_share)
         return self.add(stage, layer, "compute", "compute", deps, seconds=seconds, mem_delta=mem)
 
     def exchange(self, layer, before, experts, after, n, copy, expert_work=None, pipeline=None, shared=None):
@@ -702,7 +738,7 @@ class PhaseBuilder:
                 if self.sm_share > 0:  # beside j-1's combine and j+1's dispatch (module doc)
                     beside = self.batch_seconds(a_split[j - 1] if j >= 1 else [])
                     beside = beside + self.batch_seconds(b_split[j + 1] if j + 1 < n else [])
-                    seconds = deepep_slowed(seconds, beside, self.sm_share)
+                    seconds = sm_slowed(seconds, beside, self.sm_share)
                 x_last = self.add(x_stage, layer, "compute", "compute", (b_end[j], x_last, copy),
                                   seconds=seconds, mem_delta=x_mem / n,
                                   waits_for_pages=copy if j == 0 else -1, fitted_s=x_fitted / n)
@@ -716,24 +752,3 @@ class PhaseBuilder:
         for batch in batches(ops):
             out += self.op_seconds(batch)
         return out
-
-
-def deepep_sm_share(scenario: Scenario, sm_count: int) -> float:
-    """The share f of a GPU's SMs deepep's kernels hold: ``comm.deepep_sms / sm_count``;
-    0 for other token strategies or a profile without SMs (``sm_count`` 0, CPU ranks).
-    ScenarioError when they would hold every SM."""
-    c = scenario.comm
-    if c.token_strategy != "deepep" or sm_count <= 0 or c.deepep_sms == 0:
-        return 0.0
-    if c.deepep_sms >= sm_count:
-        raise ScenarioError("comm.deepep_sms", c.deepep_sms, f"leaves no SM for compute: the profile's "
-                            f"compute.sm_count is {sm_count}")
-    return c.deepep_sms / sm_count
-
-
-def deepep_slowed(seconds: np.ndarray, beside_s: np.ndarray, share: float) -> np.ndarray:
-    """[W] seconds of compute of ``seconds`` (at every SM) that starts with deepep kernels
-    running ``beside_s`` seconds and holding ``share`` f of the SMs: it runs at 1 - f
-    while they run, so it takes ``seconds / (1 - f)`` when it ends first, else
-    ``seconds + f beside_s``: ``seconds + min(seconds f / (1 - f), f beside_s)``."""
-    return seconds + np.minimum(seconds * share / (1.0 - share), share * np.asarray(beside_s, dtype=np.float64))

@@ -57,6 +57,7 @@ FEATURES: dict[str, Feature] = {
     "parallelism.pipeline_schedule": Feature(lambda s: s.parallelism.pipeline_schedule != "1f1b", sim=True),
     "parallelism.attention_parallel": Feature(lambda s: s.parallelism.attention_parallel != "tp", sim=True),
     "overlap.moe_expert_parallel_comm": Feature(lambda s: s.overlap.moe_expert_parallel_comm, sim=True),
+    "overlap.tp_comm": Feature(lambda s: s.overlap.tp_comm, sim=True),
     "transformer.recompute_modules": Feature(lambda s: s.transformer.recompute_modules.strip() != "", sim=True, real=True),
     "transformer.overlap_grad_reduce": Feature(lambda s: s.transformer.overlap_grad_reduce, sim=True),
     "transformer.overlap_param_gather": Feature(lambda s: s.transformer.overlap_param_gather, sim=True),

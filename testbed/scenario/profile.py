@@ -11,7 +11,8 @@ dataclasses below; ``field_docs()`` lists them):
 - ``[compute]``: peak FLOP/s per dtype; efficiency curves, one per kind of GEMM (M22):
   expert GEMMs by tokens per expert for the grouped and the per-expert loop kernel, dense
   GEMMs (attention projections, dense FFNs, output head, router gate) by rows, and flash
-  attention's core by sequence length; memory bandwidth, launch;
+  attention's core by sequence length; memory bandwidth, launch; optionally ``[compute.gemm]``,
+  GEMM efficiency by shape (tiles over the SMs, K depth) beside the curves;
 - ``[copy]``: host<->device copy bandwidth by page size, per-copy latency, overlap;
 - ``[collectives]``: algorithm per collective kind (or ``auto``: the least predicted
   time, as NCCL's tuner picks), channels, PXN and switch-side reduction capabilities
@@ -147,6 +148,28 @@ class Efficiency:
 
 
 @dataclass(frozen=True)
+class GemmShapes:
+    """GEMM efficiency by shape (``sim.hardware.gemm_efficiency``, issue 26): a GEMM of
+    another shape than a curve's measured one runs at the curve's efficiency times the
+    ratio of the two shapes' tile-and-wave and K-depth terms. Optional: without tiles
+    (``tile_m = 0``) the curves alone time every GEMM, by rows or tokens per expert."""
+
+    tile_m: int = _optional_int("output tile rows of the GPU's GEMM kernels (Hopper cuBLAS / CUTLASS: 128), "
+                                "elements; 0 = no shape model; default 0", 0)
+    tile_n: int = _optional_int("output tile columns (Hopper cuBLAS / CUTLASS: 256), elements; default 0", 0)
+    k_fixed: float = _optional_num("a tile's fixed time (pipeline fill, epilogue) as elements of k at the bf16 / "
+                                   "fp16 rate: a GEMM of depth k runs its tiles at k / (k + k_fixed); default 0", 0.0)
+    k_fixed_fp8: float = _optional_num("k_fixed of fp8 GEMMs (the fixed time over a main loop twice as fast), "
+                                       "elements; default 0", 0.0)
+    dense_reference: int = _optional_int("m = n = k of the shape compute.efficiency.dense was measured at, "
+                                         "elements; default 8192", 8192, positive)
+    expert_reference: tuple = _rows(
+        "the shapes compute.efficiency.grouped and loop were measured at, one a curve point: tokens per expert "
+        "(the curve's x), experts in the launch, hidden and ffn (two GEMMs forward: T x H times H x F and "
+        "T x F times F x H)", tokens=int, experts=int, hidden=int, ffn=int)
+
+
+@dataclass(frozen=True)
 class ComputeFigures:
     """Roofline figures of one GPU (or one CPU rank)."""
 
@@ -167,6 +190,9 @@ class ComputeFigures:
         "doc": "CPU backends: cores the ranks of the machine share, rank r pinned to core r % host_cores (the "
                "simulator's flow model shares each core between the ranks computing on it); 0 = every device "
                "computes alone", "kind": "float", "check": non_negative, "optional": True})
+    gemm: GemmShapes = field(default_factory=GemmShapes, metadata={
+        "doc": "GEMM efficiency by shape beside the curves (optional; absent: the curves alone)", "kind": "section",
+        "cls": GemmShapes, "optional": True})
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of ``dtype`` (fp32, bf16, fp16, fp8; 0 where the machine has none)."""
@@ -251,6 +277,10 @@ class CollectiveFigures:
         "cost of each peer message of an all-to-all: a member posts a send to each member it sends to and a "
         "receive from each it receives from, one after another (a uniform all-to-all: 2 (p-1)), and the call "
         "waits for the member with the most, us per message; default 0", 0.0)
+    kernel_sms: int = _optional_int(
+        "SMs (count) a collective kernel of the library holds while it runs, one CTA a channel, each on an SM of "
+        "its own that compute does not share (NCCL, nccl#689); compute beside the token exchange and the "
+        "gradient sync runs on the rest (sim.step.kernel_sms); 0 = none (CPU ranks); default 0", 0)
     pxn: bool = _flag(
         "PXN (NCCL's PCI x NVLink, M21): an inter-node all-to-all or p2p message first crosses NVLink to the GPU "
         "of its node on the destination's rail and leaves through that GPU's NIC, so it stays on one rail (extra "
@@ -383,8 +413,12 @@ class MachineProfile:
         return ""
 
     def to_dict(self) -> dict:
-        """Plain TOML-ready mapping (curves as lists of [x, y])."""
-        return _plain(self)
+        """Plain TOML-ready mapping (curves as lists of [x, y]); without ``compute.gemm``
+        where it is the default (no shape model), as profiles written before it existed."""
+        data = _plain(self)
+        if self.compute.gemm == GemmShapes():
+            del data["compute"]["gemm"]
+        return data
 
 
 # ---- reading and writing -------------------------------------------------------------

@@ -196,6 +196,7 @@ class Scenario:
         if p.cp_size > 1:
             _check_context_parallel(self)
         _check_pipeline(self)
+        _check_tp_comm_overlap(self)
         if t.enabled:
             if m.hidden_size % t.num_heads and not t.head_dim:  # a head dimension of its own needs no split of H
                 raise ScenarioError("transformer.num_heads", t.num_heads, f"does not divide model.hidden_size = {m.hidden_size}")
@@ -269,6 +270,15 @@ def holds_part_of_a_sequence(s: "Scenario") -> bool:
     """Each GPU's tokens of a micro-batch are not whole sequences (its TP group's are)."""
     t = s.transformer
     return t.enabled and (s.workload.tokens_per_rank // t.micro_batches) % t.seq_len != 0
+
+
+def _check_tp_comm_overlap(s: "Scenario") -> None:
+    """``overlap.tp_comm`` overlaps sequence parallelism's collectives: Megatron-Core asserts
+    "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is
+    enabled" (megatron/training/arguments.py)."""
+    if s.overlap.tp_comm and not shares_sequences(s):
+        raise ScenarioError("overlap.tp_comm", True, "overlaps sequence parallelism's all-gathers and reduce-"
+                            "scatters: it needs transformer.enabled, parallelism.tp_size > 1 and sequence_parallel")
 
 
 def _check_sequences(s: "Scenario") -> None:

@@ -345,6 +345,10 @@ class OverlapConfig:
     shared_experts: bool = doc("model.shared_experts run beside the token exchange: their first GEMM and activation "
                                "beside the dispatch, their second beside the combine (backward the other way round), "
                                "as Megatron-Core's moe_shared_expert_overlap; false: after the combine, in order", True)
+    tp_comm: bool = doc("Megatron-Core's --tp-comm-overlap (Transformer Engine's userbuffers): each block's "
+                        "tensor-parallel all-gathers and reduce-scatters run beside its compute, the reduce-scatters "
+                        "holding 16 SMs (sim.step.context_parallel_ring); needs sequence parallelism with tp_size > 1",
+                        False)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from testbed.scenario.profile import MiB, load_profile, profile_from_dict
 def profile(grouped=((1, 0.5), (10_000, 0.5)), loop=((10, 0.1), (1000, 0.9)), dense=((1, 0.5), (10_000, 0.5)),
             attention=((512, 0.35), (8192, 0.55)), bf16=100.0, memory=1000.0, launch_us=1.0):
     d = load_profile("h200").to_dict()
+    d["compute"].pop("gemm")  # the curves alone: the hand figures below (GEMM shapes: test_gemm_efficiency.py)
     d["compute"].update(memory_GBps=memory, launch_us=launch_us)
     d["compute"]["peak_tflops"]["bf16"] = bf16
     d["compute"]["efficiency"] = {k: [list(p) for p in v] for k, v in

@@ -28,6 +28,7 @@ DENSE, GROUPED, ATTENTION = 0.25, 0.5, 0.1  # the flat efficiencies
 
 def _profile(tmp_path_factory, name: str, dense: float, grouped: float, attention: float) -> str:
     d = load_profile("h200").to_dict()
+    d["compute"].pop("gemm", None)  # the flat curves alone: no GEMM shape model (sim.hardware.gemm_efficiency)
     d["compute"].update(memory_GBps=1e12, launch_us=0.0)
     d["compute"]["peak_tflops"].update(bf16=PEAK / 1e12, fp8=2 * PEAK / 1e12)
     d["compute"]["efficiency"] = {"grouped": [[1, grouped], [1e6, grouped]], "loop": [[1, grouped], [1e6, grouped]],
@@ -35,7 +36,7 @@ def _profile(tmp_path_factory, name: str, dense: float, grouped: float, attentio
     d["overheads"]["router_us"] = 0.0
     for link in d["links"].values():
         link.update(bandwidth_GBps=1e12, latency_us=0.0)
-    d["collectives"].update(latency_us=0.0, all_to_all_peer_us=0.0)
+    d["collectives"].update(latency_us=0.0, all_to_all_peer_us=0.0, kernel_sms=0)
     return str(save_profile(profile_from_dict(d, name), tmp_path_factory.mktemp("profile") / f"{name}.toml"))
 
 

@@ -34,6 +34,7 @@ each expert) and dropless. Under EP P, expert TP ETP and expert DP EDP = W / (ET
 """
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ from testbed.core.errors import ScenarioError
 from testbed.run.features import check_features, used_features
 from testbed.run.runner import run_scenario
 from testbed.scenario.file import load_scenario
-from testbed.scenario.profile import load_profile
+from testbed.scenario.profile import GemmShapes, load_profile
 from testbed.scenario.scenario import Scenario
 
 W, T, K, E, H, F, L, B = 8, 1024, 2, 4, 1024, 4096, 2, 2
@@ -74,7 +75,8 @@ def scenario(parallelism: dict) -> Scenario:
 
 def simulate(name: str):
     """(cluster sim, decisions, phases, figures, record) of one step on uniform routing."""
-    sim = ClusterSim(scenario(LAYOUTS[name][0]), load_profile("h100"))
+    p = load_profile("h100")  # without the GEMM shape model: the curves' closed forms (sim.hardware.gemm_efficiency)
+    sim = ClusterSim(scenario(LAYOUTS[name][0]), replace(p, compute=replace(p.compute, gemm=GemmShapes())))
     d, phases, _tl, fig, faults, *_ = sim.step(0, np.full((L, W, E), C), [])
     return sim, d, phases, fig, _record(0, sim, d, fig, faults)
 

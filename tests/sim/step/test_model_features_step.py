@@ -39,6 +39,8 @@ def flat_profile(tmp_path_factory, bandwidth: float) -> str:
     """The H200 profile with flat efficiency curves, no launch floor, no router cost, a
     memory bandwidth of ``bandwidth`` bytes/s."""
     d = load_profile("h200").to_dict()
+    d["compute"].pop("gemm", None)  # the flat curves alone: no GEMM shape model (sim.hardware.gemm_efficiency)
+    d["collectives"]["kernel_sms"] = 0  # no SMs taken by NCCL kernels (sim.step.kernel_sms)
     d["compute"].update(memory_GBps=bandwidth / 1e9, launch_us=0.0)
     d["compute"]["peak_tflops"].update(bf16=PEAK / 1e12, fp8=FP8 / 1e12)
     d["compute"]["efficiency"] = {"grouped": [[1, GROUPED], [1e6, GROUPED]], "loop": [[1, GROUPED], [1e6, GROUPED]],
@@ -394,7 +396,7 @@ def test_every_preset_simulates_a_step(preset, tmp_path):
 def test_deepeps_kernels_slow_the_shared_experts_beside_them(flat):
     """deepep holds 20 of the 132 SMs while its dispatch runs: the shared experts beside it
     run at 1 - 20/132 of their speed for as long as the dispatch takes alone."""
-    from sim.step.phase_builder import deepep_slowed
+    from sim.step.kernel_sms import sm_slowed
 
     s = scenario(flat, gpus=4, model={"shared_experts": 1}, comm={"token_strategy": "deepep"})
     sim = ClusterSim(s, load_profile(flat))
@@ -404,7 +406,7 @@ def test_deepeps_kernels_slow_the_shared_experts_beside_them(flat):
     alone = sim.builder.batch_seconds(decisions.forward[0].dispatch_ops)
     assert np.all(alone > 0)
     # the first matrix and its gelu (reads F, writes F a token: module doc), both slowed
-    want = deepep_slowed(np.full(4, dense(2 * T * H * F) + kernels(T * 2 * F * 2)), alone, 20 / 132)
+    want = sm_slowed(np.full(4, dense(2 * T * H * F) + kernels(T * 2 * F * 2)), alone, 20 / 132)
     assert np.allclose(first.seconds, want, rtol=1e-12) and np.all(first.seconds > dense(2 * T * H * F))
 
 

@@ -42,6 +42,8 @@ V3_RECIPE = "mlp,mla_up_proj,moe_act,layernorm"  # issue 25: DeepSeek-V3 on 1,02
 def flat(tmp_path_factory):
     """The H200 profile with flat efficiency curves, no launch floor, no router cost."""
     d = load_profile("h200").to_dict()
+    d["compute"].pop("gemm", None)  # the flat curves alone: no GEMM shape model (sim.hardware.gemm_efficiency)
+    d["collectives"]["kernel_sms"] = 0  # no SMs taken by NCCL kernels (sim.step.kernel_sms)
     d["compute"].update(memory_GBps=BW / 1e9, launch_us=0.0)
     d["compute"]["peak_tflops"].update(bf16=PEAK / 1e12)
     d["compute"]["efficiency"] = {"grouped": [[1, GROUPED], [1e6, GROUPED]], "loop": [[1, GROUPED], [1e6, GROUPED]],

@@ -66,6 +66,8 @@ def test_the_ffn_and_moe_kernels_by_hand():
 
 def _compute(memory_GBps: float) -> ComputeModel:
     d = load_profile("h100").to_dict()
+    d["compute"].pop("gemm", None)  # the flat curves alone: no GEMM shape model (sim.hardware.gemm_efficiency)
+    d["collectives"]["kernel_sms"] = 0  # no SMs taken by NCCL kernels (sim.step.kernel_sms)
     d["compute"].update(memory_GBps=memory_GBps, launch_us=0.0)
     return ComputeModel(profile_from_dict(d, "test"), "bf16")
 
