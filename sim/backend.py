@@ -37,6 +37,15 @@ from sim.step.memory_breakdown import memory_breakdown
 from sim.step.phase_builder import PhaseBuilder
 from sim.step.phases import StepDecisions
 from sim.step.probe import ModelledProbe
+from sim.step.representative_slice import (
+    SliceTimer,
+    SyncBytes,
+    scale_record,
+    slice_refusal,
+    slice_scenario,
+    spine_share,
+    use_whole_shards,
+)
 from sim.step.schedule import WarmStart, copy_timer, run_analytic
 from sim.step.step_report import figures, trace_events
 from testbed.core.errors import ScenarioError
@@ -181,20 +190,28 @@ class ClusterSim:
     ``model_scenario``: the model's scenario; ``s``: the controller's, whose
     ``model.num_layers`` MoE layers it plans (with MTP modules theirs too,
     ``testbed.model.mtp_layers.controller_scenario``); ``pipeline_stage``: it simulates one
-    micro-batch of a pipeline stage (``sim.pipeline.run``)."""
+    micro-batch of a pipeline stage (``sim.pipeline.run``); ``slice_of``: ``scenario`` is the
+    representative slice of that scenario (``sim.step.representative_slice``), its ranks the
+    first GPUs of that scenario's fabric."""
 
-    def __init__(self, scenario: Scenario, profile: MachineProfile, pipeline_stage: bool = False):
+    def __init__(self, scenario: Scenario, profile: MachineProfile, pipeline_stage: bool = False,
+                 slice_of: Scenario | None = None):
         self.model_scenario = scenario
         s = self.s = controller_scenario(scenario)
         self.profile = profile
         self.layout = Layout(s)
         self.controller = Controller(s, layout=self.layout)
         self.env = simpy.Environment()
-        self.fabric = build_fabric(s, profile)
+        self.fabric = build_fabric(slice_of or s, profile)
         self.mode = network_mode(s)
         self.network = Network(self.env, self.fabric, self.mode)
-        self.collectives = CollectiveModel(self.network, profile, s.world_size)
-        self.timer = AnalyticTimer(self.collectives)
+        self.collectives = CollectiveModel(self.network, profile, (slice_of or s).world_size)
+        #: W / B: blocks of the whole scenario the slice stands for (1: no slice)
+        self.blocks = slice_of.world_size // s.world_size if slice_of is not None else 1
+        if slice_of is None:
+            self.timer = AnalyticTimer(self.collectives)
+        else:
+            self.timer = SliceTimer(self.collectives, s.world_size, self.blocks, spine_share(slice_of))
         self.warm = WarmStart()  # the contention fixed point of one step starts from the last
         cores = int(profile.compute.host_cores)
         #: CPU cores shared by the ranks (flow model only; analytic mode scales compute instead)
@@ -213,6 +230,8 @@ class ClusterSim:
                                     sm_count=profile.compute.sm_count, nccl_sms=profile.collectives.kernel_sms,
                                     op_seconds=op_timer(self.timer, s.world_size), model=scenario,
                                     pipeline_stage=pipeline_stage)
+        if slice_of is not None:  # the ZeRO shards of the whole DP groups
+            use_whole_shards(self.builder, controller_scenario(slice_of))
         self.faults = Faults(s, self.fabric)
         self.probe = ModelledProbe(s, self.controller, self.builder.compute, s.sim.expert_kernel)  # M20
         self.clock = 0.0
@@ -360,27 +379,41 @@ class SimBackend:
         if pipelined(whole):
             stages = pipeline_trace_stages(whole) if replay else PipelineStages.of(whole)
         s = stages.scenarios[0] if stages else whole
+        # the fast evaluation (sim.representative_slice): one block of each simulated scenario's GPUs
+        # (the whole scenario's, or each pipeline stage's: every stage has the same GPUs and layout)
+        slice_note, sliced = None, False
+        if whole.sim.representative_slice:
+            why = slice_refusal(s)
+            sliced = why is None
+            slice_note = {"used": sliced, "reason": why or "conditions hold"}
+            if sliced:
+                part = slice_scenario(s)
+                slice_note.update(gpus=part.world_size, of_gpus=s.world_size,
+                                  slices=s.world_size // part.world_size)
+                s_full, s = s, part
         if stages and replay:
             replayed = pipeline_trace(whole)
             sources = {id(sc): trace_routing(whole, r, replayed) for sc, r in zip(stages.scenarios, stages.ranks)}
             routed_at = sources[id(s)]
         else:
             routed_at = routing_source(controller_scenario(s))
+        slice_of = s_full if sliced else None
         # the next step's routing is drawn while this one is simulated (0.7 s of multinomial
         # draws per step at paper scale): numpy's generators release the GIL, each step has
         # its own generator, and nothing else touches the workload, so the counts are the same
         ahead = ThreadPoolExecutor(max_workers=1)
         upcoming = ahead.submit(routed_at, 0) if s.run.steps else None
         try:
-            sim = ClusterSim(s, profile, pipeline_stage=stages is not None)
+            sim = ClusterSim(s, profile, pipeline_stage=stages is not None, slice_of=slice_of)
             if stages and replay:  # one stage scenario per pipeline rank (pipeline_trace_stages): its routing
                 runner = lambda st: stage_runner(st, profile, sources[id(st)])  # noqa: E731
             else:
-                runner = lambda st: stage_runner(st, profile)  # noqa: E731
+                runner = lambda st: stage_runner(st, profile, sliced=sliced)  # noqa: E731
             pipe = PipelinedStep(whole, profile, stages, runner) if stages else None
             level_capacity = np.array([sim.fabric.nominal[sim.fabric.level == i].sum() for i in range(len(LEVELS))])
             bar = Progress(s.run.steps, f"sim x{s.world_size} ({sim.mode})", enabled=progress)
             records, trace, routing, layer_times = [], [], [], []
+            whole_layout = None  # the sliced scenario's whole layout, for its sync's bytes
             hops: dict = {}  # the ledgers' link levels per member set, kept over the steps
             for step in range(s.run.steps):
                 routed = np.asarray(upcoming.result())
@@ -398,6 +431,12 @@ class SimBackend:
                 if pipe is not None:
                     record, breakdown = pipe.apply(step, SimulatedStage(record, breakdown, phases, tl, sim.layout,
                                                                         sim.builder, fullest, replay))
+                if sim.blocks > 1:  # the slice's totals over its GPUs made the whole scenario's
+                    if whole_layout is None:
+                        whole_layout = Layout(controller_scenario(s_full))
+                    sync = SyncBytes(d.sync.expert_sync_ops + d.sync.dense_sync_ops, sim.timer, sim.layout,
+                                     whole_layout, reduce_scatter_runs_as_all_reduce(profile))
+                    scale_record(record, sim.blocks, sync, whole.parallelism.pp_size if pipe is not None else 1)
                 records.append(record)
                 layer_times.append(fig.layer_time_s)
                 trace += trace_events(step, phases, tl, sim.layout, TRACE_RANKS, fig.memory, level_capacity,
@@ -430,22 +469,33 @@ class SimBackend:
             "sim_events": sim.events,
             "wall_time_s": time.perf_counter() - wall0,
         }
+        if slice_note is not None:
+            scored = getattr(getattr(routed_at, "__self__", None), "scored", None)  # SyntheticWorkload's
+            block = getattr(scored, "routed_block", 0)
+            slice_note["routing"] = (f"one layer of one block of {block} GPUs routed for every layer and block"
+                                     if block else "every layer and GPU routed")
+            extra["representative_slice"] = slice_note
+        if sliced:
+            extra.update(utilization_by_level={}, hottest_links=[])  # the slice's links, not the cluster's
         if pipe is not None:  # one stage's micro-batches: not a trace of the whole scenario's steps
             extra["pipeline"] = records[-1].extra["pipeline"] if records else {}
             extra.update(utilization_by_level={}, hottest_links=[])  # the stage's one micro-batch (sim.pipeline.run)
             return RunResult(whole, records, trace, None, extra)
         routing_trace = RoutingTrace(np.stack(routing), s.workload.tokens_per_rank, s.model.top_k)
+        if sliced:  # the slice's routing: not the whole scenario's
+            return RunResult(whole, records, trace, None, extra)
         return RunResult(s, records, trace, routing_trace, extra)
 
 
-def stage_runner(scenario: Scenario, profile: MachineProfile, routed_at=None):
+def stage_runner(scenario: Scenario, profile: MachineProfile, routed_at=None, sliced: bool = False):
     """``step -> SimulatedStage``: a pipeline stage other than the run's own (``sim.pipeline.run``),
     on a cluster sim and routing of its own (``routed_at``: a replayed trace's for its pipeline
     rank, ``trace_routing``; by default the synthetic workload's), each step as ``SimBackend.run``'s
-    loop makes one."""
-    sim = ClusterSim(scenario, profile, pipeline_stage=True)
+    loop makes one; ``sliced``: on the stage's representative slice (``sim.step.representative_slice``)."""
+    part = slice_scenario(scenario) if sliced else scenario
+    sim = ClusterSim(part, profile, pipeline_stage=True, slice_of=scenario if sliced else None)
     replay = routed_at is not None
-    routed_at = routed_at or routing_source(controller_scenario(scenario))
+    routed_at = routed_at or routing_source(controller_scenario(part))
     times: list[float] = []
 
     def run_step(step: int) -> SimulatedStage:

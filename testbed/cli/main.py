@@ -335,6 +335,11 @@ def format_summary(s: dict) -> str:
         lines.append(f"hottest    {hot}")
     if s.get("exposed_s") is not None:
         lines.append(f"exposed    {ms(s['exposed_s'])} of the step with the compute stream idle (comm, copies, waits)")
+    if s.get("representative_slice"):  # sim.representative_slice: how the step was evaluated
+        r = s["representative_slice"]
+        how = (f"evaluated on a representative slice of {r['gpus']} of {r['of_gpus']} GPUs ({r['slices']} alike)"
+               if r["used"] else f"full simulation ({r['reason']})")
+        lines.append(f"slice      {how}; {r['routing']}")
     if s.get("faults"):
         for f in s["faults"]:
             lost = f", {f['time_lost_s']:.1f} s of training lost" if f["time_lost_s"] else ""

@@ -22,6 +22,10 @@ class ScenarioError(ValueError):
         self.reason = reason
         super().__init__(f"{field} = {value!r}: {reason}")
 
+    def __reduce__(self):
+        # rebuilt from its three parts when it crosses a process (a sweep's worker), not from str()
+        return (ScenarioError, (self.field, self.value, self.reason))
+
 
 class RunError(RuntimeError):
     """A run could not complete (a rank died, a trace does not fit the scenario, ...)."""

@@ -28,9 +28,28 @@ for 64 ranks x 4,096 tokens x 128 experts (top-2 inside 4 of 8 groups, sigmoid, 
 ``SyntheticWorkload.routed_counts`` timed over 5 steps on a 2-core machine), so about
 6 minutes a step at paper scale (1,440 ranks, 32 layers; linear in each), against M4's
 multinomial counts' 0.7 s (sim.backend); a trace replay does none of it.
+
+The fast evaluation of a layout (``sim.representative_slice``, issue 27 item 2): where every
+layer and every rank follows the same popularity (checked on the popularity itself, each step:
+``workload.skew`` = 0 makes it so, and no ``router.local_bias``) and the EP groups are contiguous
+(``parallelism.placement = topology``), one layer of one block of ranks is routed - layer 0's
+noise, the first ``routing_block`` ranks (whole TP x CP and ETP x EP groups) - and its counts
+stand for every layer and every block (``representative``), layer l's with its experts moved by l whole expert
+groups (modulo the groups; without groups by l GPUs' experts of the EP group), so that layers
+load different GPUs most as their own draws would (the fullest GPU's memory adds the layers'),
+the groups a token may use kept whole. Each layer's bias then moves as layer 0's, moved alike
+(it moves by the sign of each expert's error only, ``BiasBalance.update``, so the copies' sums
+move it as the block's would). Different numbers from the full routing, the
+same law per EP group; the same scenario and seed give the same counts. The routed block of a
+step is cached for the process (``_BLOCK_CACHE``, keyed by everything it depends on): the
+simulated pipeline stages of one scenario share it, and so do layouts with the same block,
+tokens a GPU and router.
 """
 
 from __future__ import annotations
+
+import hashlib
+import math
 
 import numpy as np
 import torch
@@ -40,6 +59,16 @@ from testbed.policy.expert_choice import choose_experts, gate_scores
 from testbed.scenario.scenario import Scenario
 
 CHUNK_ELEMENTS = 2**22  # token x expert scores routed at once (16 MiB of float32)
+#: (the routed block's inputs, hashed) -> its [B, E] counts: the representative routing's (module doc)
+_BLOCK_CACHE: dict[str, np.ndarray] = {}
+_BLOCK_CACHE_SIZE = 64  # blocks kept (each B x E int32: at most a few MiB)
+
+
+def routing_block(scenario: Scenario) -> int:
+    """Ranks of the representative routing's block: whole TP x CP and ETP x EP groups, the
+    first ranks in Megatron-Core's order (module doc)."""
+    p = scenario.parallelism
+    return math.lcm(p.tp_size * p.cp_size, p.ep_size * p.etp_size)
 
 
 class ScoredRouting:
@@ -54,6 +83,13 @@ class ScoredRouting:
         self.top_k = scenario.model.top_k
         self.layers, self.experts = scenario.model.num_layers, scenario.model.num_experts
         self.rate = self.cfg.bias_update_rate
+        #: one layer of one block of ranks stands for all (module doc); decided on the law per step
+        self.representative = scenario.sim.representative_slice and scenario.parallelism.placement == "topology"
+        self.block = routing_block(scenario)
+        #: layer l's counts are the block's with the experts moved by l whole groups (mod groups)
+        self.groups = self.cfg.expert_groups or scenario.parallelism.ep_size
+        #: ranks of the block the last draw routed for every layer and block (0: it routed every one)
+        self.routed_block = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -77,6 +113,9 @@ class ScoredRouting:
         """The counts of ``step`` routed with the bias ``bias_LE`` [L, E] (None: none)."""
         log_p = self._log_popularity(step)
         world, e = log_p.shape[1], self.experts
+        self.routed_block = 0
+        if self.representative and (log_p == log_p[:1, :1]).all():
+            return self._representative(step, bias_LE, log_p)
         counts = np.zeros((self.layers, world, e), dtype=np.int32)
         chunk = max(1, CHUNK_ELEMENTS // (self.tokens * e))
         for layer in range(self.layers):
@@ -87,6 +126,31 @@ class ScoredRouting:
                     1, experts, torch.ones_like(experts))
                 counts[layer, lo:lo + len(ranks)] = per_rank.numpy()
         return counts
+
+    def _representative(self, step: int, bias_LE: np.ndarray | None, log_p: np.ndarray) -> np.ndarray:
+        """[L, W, E] counts of ``step`` from one routed layer of one block (module doc): every layer
+        and rank alike in ``log_p``, every layer's bias alike (it moves alike)."""
+        world = log_p.shape[1]
+        block = self.block if world % self.block == 0 else world
+        self.routed_block = block
+        bias = None if bias_LE is None else bias_LE[:1]
+        key = hashlib.sha1(repr((self.seed, step, self.tokens, self.top_k, self.experts, block, self.cfg)).encode()
+                           + log_p[0, 0].tobytes() + (b"" if bias is None else bias.tobytes())).hexdigest()
+        got = _BLOCK_CACHE.get(key)
+        if got is None:
+            got = np.zeros((block, self.experts), dtype=np.int32)
+            chunk = max(1, CHUNK_ELEMENTS // (self.tokens * self.experts))
+            for lo in range(0, block, chunk):
+                ranks = list(range(lo, min(block, lo + chunk)))
+                experts = self.experts_of(step, 0, ranks, bias, log_p[:1]).flatten(1)
+                got[lo:lo + len(ranks)] = torch.zeros((len(ranks), self.experts), dtype=torch.int64).scatter_add_(
+                    1, experts, torch.ones_like(experts)).numpy()
+            if len(_BLOCK_CACHE) >= _BLOCK_CACHE_SIZE:
+                _BLOCK_CACHE.pop(next(iter(_BLOCK_CACHE)))
+            _BLOCK_CACHE[key] = got
+        tiled = np.tile(got, (world // block, 1))
+        unit = self.experts // self.groups  # one expert group's (one GPU's without groups) experts
+        return np.stack([np.roll(tiled, (layer % self.groups) * unit, axis=1) for layer in range(self.layers)])
 
     def experts_of(self, step: int, layer: int, ranks: list[int], bias_LE: np.ndarray | None,
                    log_p: np.ndarray | None = None) -> torch.Tensor:

@@ -62,6 +62,7 @@ FEATURES: dict[str, Feature] = {
     "transformer.overlap_grad_reduce": Feature(lambda s: s.transformer.overlap_grad_reduce, sim=True),
     "transformer.overlap_param_gather": Feature(lambda s: s.transformer.overlap_param_gather, sim=True),
     "transformer.grad_reduce_dtype": Feature(lambda s: s.transformer.grad_reduce_dtype != "model", sim=True),
+    "sim.representative_slice": Feature(lambda s: s.sim.representative_slice, sim=True),
 }
 
 
