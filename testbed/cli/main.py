@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from testbed.cli.model import add_parser as _add_model
+from testbed.cli.plan import add_parser as _add_plan
 from testbed.core.errors import ScenarioError, run_as_command
 from testbed.core.units import format_bytes
 from testbed.run.backend import get_tool
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_collective(sub)
     _add_model(sub)
+    _add_plan(sub)
 
     net = sub.add_parser("net", help="the emulated cluster network (real.network = emulated; needs root)")
     net_sub = net.add_subparsers(dest="net_command", required=True)

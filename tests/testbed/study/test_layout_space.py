@@ -63,3 +63,10 @@ def test_the_default_knobs_of_a_cluster():
     knobs = default_knobs(base())
     assert knobs["parallelism.tp_size"] == [1, 2] and knobs["parallelism.pp_size"] == [1, 2]
     assert knobs["parallelism.ep_size"] == [1, 2, 4]
+
+
+def test_the_plans_default_space_has_fp8_only_where_the_profile_has_its_ceiling():
+    from testbed.study.layout_space import plan_knobs
+
+    assert plan_knobs(base(cluster={"profile": "h100"}))["model.gemm_dtype"] == ["model", "fp8"]
+    assert plan_knobs(base(cluster={"profile": "local-cpu"}))["model.gemm_dtype"] == ["model"]
