@@ -8,7 +8,11 @@ the published runs of the same setup placed in the ranking.
    users state nothing (docs/published.md section 1, "The scenarios assume instead"): the whole
    transformer, ZeRO-1 (the distributed optimizer) with its sync overlapped with the backward,
    sequence parallelism, balanced routing (no skew, drift or locality), no paging and no heat
-   map; one warm-up and one measured step (``run.steps = 2``: the simulator's steps repeat).
+   map; one measured step and no warm-up (``run.steps = 1``: without paging or a heat map no
+   step depends on the ones before it, and the groups are made before the first, so the first
+   step is the steady one: within 0.11% of the second on six published configs, and
+   ``tests/testbed/study/test_plan.py`` checks it), two with one warm-up where a layout pages
+   (``steps_of``: its group cache and pages settle in the first).
    ``--set`` changes any of it.
 2. The cluster's leaves follow each layout's pipeline (``cluster_of``): the largest leaf
    switch of at most 32 nodes (assumed: a DGX SuperPOD scalable unit) whose nodes the stages
@@ -58,8 +62,9 @@ from testbed.study.sweep import EXECUTORS, Sweep, point_label, run_sweep
 PUBLISHED = ROOT / "configs" / "published"
 #: the largest leaf switch, in nodes (assumed: a DGX SuperPOD scalable unit's 32 nodes, as configs/published)
 MAX_LEAF_NODES = 32
-#: one warm-up and one measured step (experiments/validate_published.py)
-STEPS = {"run.steps": 2, "run.warmup_steps": 1}
+#: one measured step (module doc, point 1); a layout that pages, one warm-up and one measured
+STEPS = {"run.steps": 1, "run.warmup_steps": 0}
+PAGED_STEPS = {"run.steps": 2, "run.warmup_steps": 1}
 TOP = 10
 #: a published layout is "placed" when in the top 5 or within 5% of the best prediction (issue 27, item 3),
 #: among the layouts that share what the published run held fixed: its GEMM precision
@@ -103,6 +108,11 @@ def overlap_of(point: dict[str, Any]) -> dict[str, Any]:
     Mixtral-8x22B recipe of docs/published.md section 1 sets it: a free win, so a practitioner's
     choice, not a knob)."""
     return {"overlap.tp_comm": int(point.get("parallelism.tp_size", 1)) > 1}
+
+
+def steps_of(point: dict[str, Any]) -> dict[str, Any]:
+    """The steps a layout (``point``) runs: one, or with paging one warm-up and one measured."""
+    return dict(PAGED_STEPS) if point.get("pager.enabled") else {}
 
 
 def model_table(model: str) -> dict:
@@ -244,7 +254,7 @@ def run_plan(base: Scenario, label: str, opts: PlanOptions | None = None) -> dic
     device = load_profile(base.cluster.profile).compute.device_memory_GB * 1e9
     limit = min(device, opts.max_memory_bytes) if opts.max_memory_bytes else device
     nodes = base.cluster.microclusters * base.cluster.nodes_per_microcluster
-    space = enumerate_layouts(base, knobs, opts.fixed, derive=lambda p: {**cluster_of(nodes, p), **overlap_of(p)})
+    space = enumerate_layouts(base, knobs, opts.fixed, derive=lambda p: {**cluster_of(nodes, p), **overlap_of(p), **steps_of(p)})
     valid = [p for p in space.valid if not same_as_folded(p, space.valid, base.world_size)]
     shown = varying_keys(valid)
     pruned: dict[str, int] = {}
@@ -295,7 +305,7 @@ def run_plan(base: Scenario, label: str, opts: PlanOptions | None = None) -> dic
 # ---- the published runs ----------------------------------------------------------------------
 def matching_published(base: Scenario, directory: Path = PUBLISHED) -> list[tuple[str, Scenario]]:
     """The published scenarios of ``base``'s model preset, GPU count, profile, global batch and
-    sequence length, each with one warm-up and one measured step."""
+    sequence length, each with the plan's steps (``STEPS``: none of them pages)."""
     if not base.model.preset:
         return []
     out = []

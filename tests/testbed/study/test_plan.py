@@ -163,3 +163,20 @@ def test_virtual_chunks_need_pipeline_stages(tmp_path):
     knobs = {"parallelism.pp_size": [1, 2], "parallelism.pp_chunks": [1, 2], "parallelism.ep_size": [1]}
     space = enumerate_layouts(base, knobs, derive=lambda p: cluster_of(2, p))
     assert len(space.valid) == 3 and space.refused == {"parallelism.pp_chunks": 1}
+
+
+def test_one_step_is_the_steady_step_where_nothing_pages(tmp_path):
+    """The plan runs one step a layout (``STEPS``): without paging or a heat map the first step
+    takes what the second does (routing's sampling aside, 1% at these 512 tokens a GPU), so a
+    warm-up would change no ranking; a paged layout gets one (``steps_of``)."""
+    from sim.backend import SimBackend
+    from testbed.study.plan import PAGED_STEPS, STEPS, steps_of
+
+    base = tiny_base(tmp_path)
+    for point in ({"parallelism.tp_size": 2, "parallelism.pp_size": 1, "parallelism.ep_size": 2},
+                  {"parallelism.tp_size": 1, "parallelism.pp_size": 2, "parallelism.ep_size": 2}):
+        s = layout_scenario(base, {**point, "run.steps": 2, "run.warmup_steps": 0})
+        first, second = (r.step_time_s for r in SimBackend().run(s).records)
+        assert first == pytest.approx(second, rel=0.01)
+    assert STEPS == {"run.steps": 1, "run.warmup_steps": 0}
+    assert steps_of({"pager.enabled": True}) == PAGED_STEPS and steps_of({"pager.enabled": False}) == {}
