@@ -85,7 +85,8 @@ stream; each sync op adds its time alone to a [W] budget, and the compute phases
 after it run beside it, at ``1 - f`` of their speed until the budget is used up
 (``beside_sync``). Taken as if the sync ran from its issue and nothing but compute ran
 meanwhile: where the backward's exchanges run between, the slowdown is at most
-``f`` of the sync's time too much.
+``f`` of the sync's time too much. Not in a pipeline stage's micro-batch (``pipeline_stage``):
+its backward stands for every micro-batch's, while the sync runs beside the last one's only.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class PhaseBuilder:
         #: the share of the SMs NCCL's kernels hold (the gradient sync's and the parameter gathers' on the
         #: sync stream, whatever the token strategy), and [W] seconds of sync ops issued and not yet run
         #: beside compute (module doc)
-        self.nccl_share = nccl_sms / sm_count if 0 < nccl_sms < sm_count else 0.0
+        self.nccl_share = nccl_sms / sm_count if 0 < nccl_sms < sm_count and not pipeline_stage else 0.0
         self.sync_beside = np.zeros(layout.world)
         #: the shared experts of each MoE layer (sim.hardware.shared_experts), and whether they overlap the exchange
         self.shared = SharedExperts(scenario, compute)
