@@ -279,7 +279,8 @@ class Network:
         dt = float(left.min())
         if self.coalesce > 0:  # wait for flows ending within coalesce x their age
             window = left - dt <= self.coalesce * (self.env.now + left - t0)
-            dt = float(left[window].max())
+            if window.any():
+                dt = float(left[window].max())
         dt = max(dt, 0.0)
         self.env.timeout(dt).callbacks.append(partial(self._on_finish, comp, comp.gen, dt))
 
@@ -289,6 +290,8 @@ class Network:
         if dt > 0:
             comp.last = self.env.now
             comp.f[0] -= comp.f[1] * dt
+            # a flow due at this instant can land a rounding error below 0 bytes: it is done, not owed time
+            np.maximum(comp.f[0], 0.0, out=comp.f[0])
             self.busy_by_edge[comp.used] += dt * comp.edge_on
 
     def _on_finish(self, comp: _Component, gen: int, dt: float, _event) -> None:
