@@ -366,7 +366,11 @@ def place_published(base: Scenario, name: str, ranked: list[dict], keys: list[st
             same = [r for r in ranked if all(r["layout"].get(k) == v for k, v in twin.items())]
         e["layout_in_space"] = bool(same)
         e["plan_rank_of_layout"] = same[0]["rank"] if same else None
-        flat, plan_flat = _flat(s), _flat(layout_scenario(base, e["layout"]))
+        flat = _flat(s)
+        try:
+            plan_flat = _flat(layout_scenario(base, e["layout"]))
+        except ScenarioError as err:  # its knobs alone do not make a layout of the plan's base (an uneven pipeline)
+            plan_flat, e["outside_space_because"] = _flat(base), str(err)
         skip = set(keys) | {f"{a}.{b}" for a, b in DERIVED_BY_BATCH} | {"run.output_dir", "notes"}
         e["differs_from_base"] = {k: [v, plan_flat.get(k)] for k, v in flat.items()
                                   if k not in skip and not k.startswith("cluster.") and plan_flat.get(k) != v}

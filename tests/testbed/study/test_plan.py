@@ -180,3 +180,23 @@ def test_one_step_is_the_steady_step_where_nothing_pages(tmp_path):
         assert first == pytest.approx(second, rel=0.01)
     assert STEPS == {"run.steps": 1, "run.warmup_steps": 0}
     assert steps_of({"pager.enabled": True}) == PAGED_STEPS and steps_of({"pager.enabled": False}) == {}
+
+
+def test_a_published_run_whose_knobs_alone_make_no_layout_is_still_placed(tmp_path, monkeypatch):
+    """A published file with an uneven pipeline (a layout string): its knobs on the plan's base
+    are refused (the layers do not split evenly), so it is placed as its file runs it, its
+    layout named outside the space, with the reason."""
+    import testbed.study.plan as plan_module
+    from testbed.study.plan import place_published
+
+    base = tiny_base(tmp_path)
+    r = run_plan(base, "tiny", opts())
+    uneven = layout_scenario(base, {"parallelism.pp_size": 2, "parallelism.tp_size": 1, "parallelism.ep_size": 2})
+    uneven = uneven.replace(parallelism={"pipeline_layout": "Ettt|tL"}, model={"num_layers": 4})
+    monkeypatch.setattr(plan_module, "matching_published", lambda b: [("uneven.toml", uneven)])
+    # the layers split 3 | 1: with its knobs alone the plan's base takes pp 2 and an even split, which
+    # it runs; a base of 3 layers could not, so refuse it there
+    base3 = base.replace(model={"num_layers": 3})
+    (p,) = place_published(base3, "tiny-published", r["ranking"], r["knob_keys"], opts(), r["shown_keys"])
+    assert p["config"] == "uneven.toml" and p["rank"] >= 1 and "outside_space_because" in p
+    assert "model.num_layers" in p["outside_space_because"]
