@@ -149,7 +149,27 @@ def plan_base(model: str, gpus: int, profile: str, global_batch: int | None = No
     data["run"]["output_dir"] = str(output_dir)
     for item in overrides:
         apply_override(data, item)
-    return Scenario.from_dict(data)
+    return _loadable_base(data, per_node, nodes)
+
+
+def _loadable_base(data: dict, per_node: int, nodes: int) -> Scenario:
+    """The base scenario of ``data``: every layout the plan makes sets its own TP and PP, so the
+    base's are only a layout its global batch derives for (TP 1 and PP 1 first, then more TP,
+    then more stages: 720 sequences on 480 GPUs need DP to divide 720). The first error when
+    none does (or when the error is not the batch's)."""
+    p = data.setdefault("parallelism", {})
+    if "tp_size" in p or "pp_size" in p:  # the user's own (--set): theirs to fix
+        return Scenario.from_dict(data)
+    first = None
+    for pp in [d for d in range(1, nodes + 1) if nodes % d == 0]:
+        for tp in [2**i for i in range(per_node.bit_length()) if 2**i <= per_node]:
+            try:
+                return Scenario.from_dict({**data, "parallelism": {**p, "tp_size": tp, "pp_size": pp}})
+            except ScenarioError as e:
+                if not e.field.startswith("workload.") and first is None:
+                    raise
+                first = first or e
+    raise first
 
 
 # ---- the plan ------------------------------------------------------------------------------

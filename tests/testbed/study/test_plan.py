@@ -200,3 +200,13 @@ def test_a_published_run_whose_knobs_alone_make_no_layout_is_still_placed(tmp_pa
     (p,) = place_published(base3, "tiny-published", r["ranking"], r["knob_keys"], opts(), r["shown_keys"])
     assert p["config"] == "uneven.toml" and p["rank"] >= 1 and "outside_space_because" in p
     assert "model.num_layers" in p["outside_space_because"]
+
+
+def test_the_base_takes_a_layout_its_global_batch_derives_for():
+    """720 sequences on 480 GPUs: TP 1 x PP 1 leaves DP 480, which does not divide them; the
+    base takes TP 2 (DP 240, 3 micro-batches), which every layout then replaces."""
+    base = plan_base("megascale-352b", 480, "h800", 720, 8192)
+    assert (base.parallelism.tp_size, base.parallelism.pp_size) == (2, 1)
+    assert base.workload.global_batch == 720
+    with pytest.raises(ScenarioError, match="--gpus"):
+        plan_base("megascale-352b", 484, "h800", 720, 8192)
