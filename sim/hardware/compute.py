@@ -182,18 +182,11 @@ class ComputeModel:
         With GEMM efficiency by shape, each linear is one GEMM of the shape ``linear_shape``
         gives it (``splits``, ``tp``), its backward the input and weight gradients' GEMMs."""
         casts = self.linears_cast_seconds(rows, linears) if self.fp8 else 0.0
-        if self.shapes.enabled:
-            seconds = self.linears_gemm_seconds(rows, linears, splits=splits, tp=tp)
-            if not backward:
-                return seconds + casts
-            out = self.linears_gemm_seconds(rows, linears, True, splits, tp) \
-                + (self.linears_cast_seconds(rows, linears, backward=True) if self.fp8 else 0.0)
-            return out + (seconds + casts if recompute else 0.0)
-        flops = 2.0 * rows * sum(k * n for k, n in linears)
-        seconds = self.gemm_time(flops, rows, "dense", fp8=True)
+        seconds = self.linears_gemm_seconds(rows, linears, splits=splits, tp=tp)
         if not backward:
             return seconds + casts
-        out = 2.0 * seconds + (self.linears_cast_seconds(rows, linears, backward=True) if self.fp8 else 0.0)
+        out = self.linears_gemm_seconds(rows, linears, True, splits, tp) \
+            + (self.linears_cast_seconds(rows, linears, backward=True) if self.fp8 else 0.0)
         return out + (seconds + casts if recompute else 0.0)
 
     def linears_gemm_seconds(self, rows: int, linears: list[tuple[int, int]], backward: bool = False,
