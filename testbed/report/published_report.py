@@ -58,9 +58,10 @@ def _comparisons_table(comps: list[dict]) -> str:
 def _deepep_table(rows: list[dict]) -> str:
     body = [[d["id"], d["kind"], str(d["ep"]), d["link"], f"{d['published_dispatch_GBps']:.0f}",
              f"{d['dispatch_GBps']:.1f}", _pct(d["dispatch_error"]), f"{d['published_combine_GBps']:.0f}",
-             f"{d['combine_GBps']:.1f}", _pct(d["combine_error"])] for d in rows]
+             f"{d['combine_GBps']:.1f}", _pct(d["combine_error"]), d.get("bound_by", "—"), d.get("why") or ""]
+            for d in rows]
     return table_html(["row", "type", "EP", "link", "dispatch published GB/s", "simulated", "error",
-                       "combine published GB/s", "simulated", "error"], body)
+                       "combine published GB/s", "simulated", "error", "simulated bound by", "where it misses"], body)
 
 
 def _assumed_table(assumed: list[dict]) -> str:
@@ -85,14 +86,14 @@ def _figure(rows: list[dict]) -> go.Figure:
 def write_published_report(path: str | Path, out: dict) -> Path:
     """Write the page for the experiment's result object ``out`` (its --json output)."""
     g = out["goals"]
-    findings = [
+    findings = [(
         f"Median |error| {_pct(g['median_abs_error']).lstrip('+')} over {g['rows_simulated']} of {g['rows']} rows "
         f"(goal 10%: {'met' if g['median_met'] else 'not met'}), worst {_pct(g['worst_abs_error']).lstrip('+')} "
         f"(goal 20%: {'met' if g['worst_met'] else 'not met'}); comparisons in the published direction "
         f"{g['comparisons_direction_agree']} of {g['comparisons']}, within 5 points {g['comparisons_within_magnitude']};"
         f" DeepEP's worst bandwidth error {_pct(g['deepep_worst_abs_error']).lstrip('+')} (goal 15%: "
         f"{'met' if g['deepep_met'] else 'not met'}). Largest share of a simulated step from fitted constants: "
-        f"{g['fitted_share']}."]
+        f"{g['fitted_share']}.")]
     misses = [f"{r['id']}: {r['explanation']}" for r in out["rows"] if r["explanation"]]
     sections = [("Rows", _rows_table(out["rows"])),
                 ("Errors", figures_html([_figure(out["rows"])])),
