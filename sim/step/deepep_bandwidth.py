@@ -18,13 +18,15 @@ bandwidth is DeepEP's *logical* one, from the same routing, over the simulated t
   (1 + 4/128) bytes (fp8 with its per-128 scales) for the dispatch, x 2 (bf16) for the combine;
 - internode: the (token, node) pairs a GPU sends, its own node included, x the same.
 
-Not modelled: the fp8 scales' bytes on the wire (the testbed's fp8 rows carry none: 3% fewer
-bytes), DeepEP's chunked pipelining (the hop and the forward are one batch, fully
-overlapped), and any limit the kernels' 20-24 SMs put on the bandwidth. Seconds and bytes;
+The dispatch's token rows carry DeepEP's fp8 scales on the wire here (the testbed's own fp8
+rows carry none, as its codec). Not modelled: DeepEP's chunked pipelining (the hop and the
+forward are one batch, fully overlapped), and any limit the kernels' 20-24 SMs put on the bandwidth. Seconds and bytes;
 the routing from the caller's seeded generator.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import simpy
@@ -78,6 +80,17 @@ def deepep_routing(ep: int, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
+def _with_scales(op):
+    """A dispatch op's token rows with DeepEP's per-128-element fp32 scales on the wire
+    (``FP8_ROW`` a row, not the testbed codec's ``HIDDEN``): the bandwidth's bytes count the
+    scales, so the timed bytes must carry them too. Index and probability rows unchanged."""
+    if not op.label.startswith("tokens"):
+        return op
+    factor = FP8_ROW / HIDDEN
+    return replace(op, matrix=np.rint(op.matrix * factor).astype(op.matrix.dtype),
+                   row_bytes=round(op.row_bytes * factor))
+
+
 def simulate(ep: int, profile: MachineProfile, rng: np.random.Generator) -> dict:
     """Simulated seconds and DeepEP's logical bytes of rank 0's dispatch and combine."""
     s = scenario(ep)
@@ -96,7 +109,8 @@ def simulate(ep: int, profile: MachineProfile, rng: np.random.Generator) -> dict
     timer = AnalyticTimer(CollectiveModel(network, profile, ep))
     seconds = {}
     for stage in ("dispatch", "combine"):
-        hops = [op for op in planner.token_ops(stage, 0, kept) if op.label != "token fanout (deepep)"]
+        hops = [_with_scales(op) if stage == "dispatch" else op
+                for op in planner.token_ops(stage, 0, kept) if op.label != "token fanout (deepep)"]
         tl = run_analytic([Phase(stage, 0, "ops", "comm", (), ops=hops)], ep, timer, 0.0, 0.0)
         seconds[stage] = float(tl.end[0, 0] - tl.start[0, 0])
     p = lay.ep_size
