@@ -20,8 +20,8 @@ bandwidth is DeepEP's *logical* one, from the same routing, over the simulated t
 
 The dispatch's token rows carry DeepEP's fp8 scales on the wire here (the testbed's own fp8
 rows carry none, as its codec). Not modelled: DeepEP's chunked pipelining (the hop and the
-forward are one batch, fully overlapped), and any limit the kernels' 20-24 SMs put on the bandwidth. Seconds and bytes;
-the routing from the caller's seeded generator.
+forward are one batch, fully overlapped), and any limit the kernels' 20-24 SMs put on the
+bandwidth. Seconds and bytes; the routing from the caller's seeded generator.
 """
 
 from __future__ import annotations

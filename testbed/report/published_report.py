@@ -58,7 +58,8 @@ def _comparisons_table(comps: list[dict]) -> str:
 def _deepep_table(rows: list[dict]) -> str:
     body = [[d["id"], d["kind"], str(d["ep"]), d["link"], f"{d['published_dispatch_GBps']:.0f}",
              f"{d['dispatch_GBps']:.1f}", _pct(d["dispatch_error"]), f"{d['published_combine_GBps']:.0f}",
-             f"{d['combine_GBps']:.1f}", _pct(d["combine_error"]), d.get("bound_by", "—"), d.get("why") or ""]
+             f"{d['combine_GBps']:.1f}", _pct(d["combine_error"]), d.get("bound_by", "—"),
+             "; source of that figure: ".join(x for x in (d.get("why"), d.get("why_source")) if x)]
             for d in rows]
     return table_html(["row", "type", "EP", "link", "dispatch published GB/s", "simulated", "error",
                        "combine published GB/s", "simulated", "error", "simulated bound by", "where it misses"], body)
