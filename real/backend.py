@@ -23,7 +23,7 @@ from real.rank.recompute import WITHOUT_OUTPUT, without_output_supported
 from real.rank.worker import stream_of
 from testbed.core.errors import ScenarioError
 from testbed.core.progress import Progress
-from testbed.model.recompute_modules import check_recompute_modules
+from testbed.model.recompute_modules import GROUPED_EXPERT_KERNELS, check_recompute_modules
 from testbed.model.whole_model import recompute_modules_of, shape_of
 from testbed.policy.expert_tensor_parallel import check_expert_tensor_parallel
 from testbed.run.backend import RunResult
@@ -143,7 +143,7 @@ def _check_recompute_modules(s: Scenario) -> None:
         check_recompute_modules(modules, shape_of(s), full_recompute=t.recompute == "full",
                                 shared_expert_overlap=s.overlap.shared_experts,
                                 fp8_delayed_scaling=s.model.gemm_dtype == "fp8" and s.model.fp8_scaling == "tensor",
-                                grouped_experts=s.sim.expert_kernel == "grouped",
+                                grouped_experts=s.sim.expert_kernel in GROUPED_EXPERT_KERNELS,
                                 moe_a2a_overlap=s.overlap.moe_expert_parallel_comm)
     except ScenarioError as e:  # the field's value as the scenario spells it
         raise ScenarioError("transformer.recompute_modules", t.recompute_modules, e.reason) from None

@@ -13,7 +13,16 @@ adding them would count them twice).
 - ``loop``: one GEMM per matrix per expert with tokens (2 forward, 4 backward each);
   experts with no tokens are skipped; each expert takes max(compute, memory, launches);
 - ``grouped``: one grouped GEMM per matrix for all experts, at the efficiency of the
-  mean tokens per expert over all experts passed; max(compute, memory, launches).
+  mean tokens per expert over all experts passed; max(compute, memory, launches);
+- ``multistream``: Transformer Engine's ``GroupedLinear`` as Megatron-Core's TEGroupedMLP
+  runs it (``--moe-grouped-gemm`` on the Transformer Engine spec), a loop of cuBLAS GEMMs,
+  one per expert, over four streams (``nvte_multi_stream_cublas_gemm``, ``num_streams = 4``:
+  NVIDIA/TransformerEngine release v2.2, ``transformer_engine/common/gemm/cublaslt_gemm.cu``
+  and ``include/transformer_engine/gemm.h``; its CUTLASS grouped kernel came in v2.8 behind
+  ``NVTE_USE_CUTLASS_GROUPED_GEMM``, off by default). Each expert's GEMM runs in its own
+  waves (its tiles alone, as ``loop``), at the per-tile rate of the ``grouped`` curve, and
+  each call (one per matrix forward, two backward) costs ``compute.gemm.multistream_call_us``
+  besides. Needs the profile's shape model (``compute.gemm``).
 
 Every GEMM names the profile's curve it is timed at (``compute.efficiency``): expert
 GEMMs ``grouped`` or ``loop`` (by tokens per expert, ``scenario.expert_kernel``); the
@@ -104,6 +113,9 @@ class ComputeModel:
         t = np.asarray(tokens, dtype=np.float64)
         if self.shapes.enabled:
             return self._shaped_expert_times(t, hidden, ffn, kernel, backward, matrices)
+        if kernel == "multistream":
+            raise ScenarioError("sim.expert_kernel", kernel, f"the profile {self.profile.name} has no GEMM shape "
+                                "model (compute.gemm.tile_m is 0), which multistream's per-expert waves need")
         mult = 2 if backward else 1
         gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
         flops = (2.0 * matrices) * t * hidden * ffn * mult  # per expert
@@ -134,8 +146,8 @@ class ComputeModel:
         correction, the larger of that and its A, B and C bytes at ``memory_GBps``; ``grouped``:
         every expert's tiles in one launch per GEMM (its waves over all of them), the curve at
         the mean tokens per expert; ``loop``: each expert's GEMMs alone, at least their launches."""
-        if kernel not in ("grouped", "loop"):
-            raise ValueError(f"unknown expert kernel {kernel!r} (grouped or loop)")
+        if kernel not in ("grouped", "loop", "multistream"):
+            raise ValueError(f"unknown expert kernel {kernel!r} (grouped, loop or multistream)")
         eff, sm = self.profile.compute.efficiency_at, self.shapes
         in_bytes, out_bytes = (FP8_BYTES if self.fp8 else self.dtype_bytes), self.dtype_bytes
         gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
@@ -143,16 +155,13 @@ class ComputeModel:
         idle = ~active.any(axis=1)
         if kernel == "grouped":
             mean = np.maximum(t.mean(axis=1), 1e-12)
-            base = self.gemm_peak * eff("grouped", mean) / sm.expert_reference_factor(mean, self.fp8, grouped=True)
             seconds = np.zeros(t.shape[0])
             for m, n, k in expert_gemm_shapes(t, hidden, ffn, matrices, backward):
                 m, n, k = (np.where(active, np.broadcast_to(v, t.shape), 0.0) for v in (m, n, k))
-                flops = 2.0 * m * n * k
-                factor = sm.grouped_factor(m, n, k, self.fp8)
-                compute = flops.sum(axis=1) / (base * np.where(idle, 1.0, factor))
-                memory = gemm_bytes(m, n, k, in_bytes, out_bytes).sum(axis=1) / self.memory_bw
-                seconds = seconds + np.maximum(compute, memory)
+                seconds = seconds + self.grouped_call_seconds(m, n, k, mean)
             seconds = np.maximum(seconds, gemms * self.launch)
+        elif kernel == "multistream":
+            seconds = self._multistream_seconds(t, hidden, ffn, matrices, backward)
         else:
             x = np.where(active, t, 1.0)
             base = self.gemm_peak * eff("loop", x) / sm.expert_reference_factor(x, self.fp8, grouped=False)
@@ -166,6 +175,60 @@ class ComputeModel:
         if self.fp8:
             seconds = seconds + self.expert_cast_bytes(t, hidden, ffn, matrices, backward).sum(axis=1) / self.memory_bw
         return np.where(idle, 0.0, seconds * self.scale)
+
+    def _multistream_seconds(self, t: np.ndarray, hidden: int, ffn: int, matrices: int, backward: bool) -> np.ndarray:
+        """[ranks] seconds of the experts' GEMMs under ``multistream`` (module doc), fp8's casts
+        aside: one ``multistream_call_seconds`` per GEMM of ``expert_gemm_shapes``, at least one
+        launch per call."""
+        active = t > 0
+        x = np.where(active, t, 1.0)
+        mean = np.maximum(t.mean(axis=1), 1e-12)
+        seconds = np.zeros(t.shape[0])
+        for m, n, k in expert_gemm_shapes(x, hidden, ffn, matrices, backward):
+            m, n, k = (np.where(active, np.broadcast_to(v, t.shape), 0.0) for v in (m, n, k))
+            seconds = seconds + self.multistream_call_seconds(m, n, k, mean)
+        return np.maximum(seconds, (GEMMS_BACKWARD if backward else GEMMS_FORWARD) * self.launch)
+
+    def grouped_call_seconds(self, m, n, k, tokens) -> np.ndarray:
+        """[ranks] seconds of one grouped launch (module doc, ``grouped``) of a GEMM of ``m``,
+        ``n``, ``k`` per expert ([ranks, experts]; m = 0: an expert without rows): every expert's
+        tiles in one launch's waves at the ``grouped`` curve's efficiency at ``tokens`` ([ranks],
+        tokens per expert) times the launch's shape correction, or its A, B and C bytes at
+        ``memory_GBps``, whichever is slower. Needs the shape model."""
+        m, n, k = (np.broadcast_to(np.asarray(v, dtype=np.float64), np.shape(m)) for v in (m, n, k))
+        idle = ~(m > 0).any(axis=-1)
+        factor = np.where(idle, 1.0, self.shapes.grouped_factor(m, n, k, self.fp8))
+        compute = (2.0 * m * n * k).sum(axis=-1) / (self._grouped_tile_rate(tokens) * factor)
+        memory = gemm_bytes(m, n, k, self._gemm_in_bytes, self.dtype_bytes).sum(axis=-1) / self.memory_bw
+        return np.maximum(compute, memory)
+
+    def multistream_call_seconds(self, m, n, k, tokens) -> np.ndarray:
+        """[ranks] seconds of one call of Transformer Engine's multi-stream grouped GEMM (module
+        doc, ``multistream``) on a GEMM of ``m``, ``n``, ``k`` per expert ([ranks, experts]; m = 0:
+        an expert without rows): each GEMM alone in its own tiles and waves at the ``grouped``
+        curve's per-tile rate at ``tokens`` ([ranks], the curve's x: tokens per expert), the
+        larger of that and its A, B and C bytes at ``memory_GBps``, plus the call's fixed time
+        (``compute.gemm.multistream_call_us``). Needs the shape model."""
+        m, n, k = (np.asarray(v, dtype=np.float64) for v in (m, n, k))
+        active = m > 0
+        x = np.where(active, m, 1.0)
+        rate = np.expand_dims(self._grouped_tile_rate(tokens), -1) * self.shapes.shape_factor(x, n, k, self.fp8)
+        per_gemm = np.maximum(2.0 * x * n * k / rate, gemm_bytes(x, n, k, self._gemm_in_bytes, self.dtype_bytes)
+                              / self.memory_bw)
+        call = self.profile.compute.gemm.multistream_call_us * 1e-6
+        return np.where(active, per_gemm, 0.0).sum(axis=-1) + call
+
+    @property
+    def _gemm_in_bytes(self) -> int:
+        """Bytes an element of an expert GEMM's inputs: fp8's under fp8 GEMMs, else the model dtype's."""
+        return FP8_BYTES if self.fp8 else self.dtype_bytes
+
+    def _grouped_tile_rate(self, tokens) -> np.ndarray:
+        """FLOP/s of the ``grouped`` curve at ``tokens`` per expert, divided by the shape factor
+        of the launches it was measured at: the rate a shape of factor 1 would reach."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return self.gemm_peak * self.profile.compute.efficiency_at("grouped", tokens) \
+            / self.shapes.expert_reference_factor(tokens, self.fp8, grouped=True)
 
     def expert_cast_bytes(self, tokens, hidden: int, ffn: int, matrices: int = 2, backward: bool = False):
         """[..., experts] bytes of the fp8 casts of each expert's two GEMMs on ``tokens``

@@ -24,7 +24,7 @@ field were absent (``testbed.run.features`` says which features it models at all
 from __future__ import annotations
 
 from testbed.core.errors import ScenarioError
-from testbed.model.recompute_modules import check_recompute_modules
+from testbed.model.recompute_modules import GROUPED_EXPERT_KERNELS, check_recompute_modules
 from testbed.model.whole_model import shape_of
 from testbed.policy.ulysses import check_ulysses
 from testbed.scenario.profile import MachineProfile
@@ -62,7 +62,7 @@ def check_recompute(scenario: Scenario) -> None:
         check_recompute_modules(names, shape_of(s), full_recompute=t.recompute == "full",
                                 shared_expert_overlap=s.overlap.shared_experts,
                                 fp8_delayed_scaling=m.gemm_dtype == "fp8" and m.fp8_scaling == "tensor",
-                                grouped_experts=s.sim.expert_kernel == "grouped",
+                                grouped_experts=s.sim.expert_kernel in GROUPED_EXPERT_KERNELS,
                                 moe_a2a_overlap=s.overlap.moe_expert_parallel_comm)
     except ScenarioError as e:  # the field's value as the scenario spells it (a string), the reason Megatron's
         raise ScenarioError("transformer.recompute_modules", t.recompute_modules, e.reason) from None

@@ -172,8 +172,10 @@ def _deliver(arrive, channel_free, sends, send, kind, g, i, s, p, v, t_done) -> 
 def _result(p, m, v, start, end, dur, sends, orders, saved) -> PipelineSchedule:
     makespan = float(np.max(end))
     busy = m * dur.sum(axis=(1, 2)) - saved  # every (kind, chunk) op runs once per micro-batch, a pair's in less
-    # busy and the makespan are sums of the same seconds in other orders: a stage never busy for longer
+    # busy and the makespan are sums of the same seconds in other orders: a stage never busy for longer,
+    # and a share below 1e-12 is that rounding (a lone stage's), not a bubble
     bubble = np.maximum(1.0 - busy / makespan, 0.0) if makespan > 0 else np.zeros(p)
+    bubble = np.where(bubble < 1e-12, 0.0, bubble)
     in_flight = np.array([_max_in_flight(o) for o in orders])
     pairs = np.array([sum(isinstance(op, OverlappedPair) for op in o) for o in orders])
     for arr in (start, end, busy, bubble, in_flight, pairs):

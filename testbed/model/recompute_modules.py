@@ -127,6 +127,11 @@ OTHER_MEGATRON_MODULES = {"gdn_norm_out": "GatedDeltaNet's output norm", "gdp_in
                           "gdp_qkv": "GatedDeltaProduct's QKV", "mhc": "hyper-connections"}
 
 
+#: the scenario's expert kernels (``sim.expert_kernel``) that are Megatron-Core's grouped GEMM
+#: (``--moe-grouped-gemm``): a grouped launch, or Transformer Engine's multi-stream GroupedLinear
+GROUPED_EXPERT_KERNELS = ("grouped", "multistream")
+
+
 def check_recompute_modules(modules, shape: TransformerShape, *, full_recompute: bool = False,
                             shared_expert_overlap: bool = False, moe_a2a_overlap: bool = False,
                             fp8_delayed_scaling: bool = False, grouped_experts: bool = True) -> tuple[str, ...]:
@@ -151,7 +156,7 @@ def check_recompute_modules(modules, shape: TransformerShape, *, full_recompute:
         (full_recompute and names, ("with transformer.recompute = 'full' every layer is recomputed whole; "
                                     "modules are selective recompute's (Megatron reads them only there)")),
         ("moe_act" in names and not grouped_experts,
-         "moe_act in recompute_modules is only supported with grouped expert GEMMs (sim.expert_kernel = grouped)"),
+         "moe_act in recompute_modules is only supported with grouped expert GEMMs (sim.expert_kernel = grouped or multistream)"),
         ("mla_up_proj" in names and shape.attention != "mla",
          "mla_up_proj in recompute_modules is only supported with multi_latent_attention (transformer.attention)"),
         ("shared_experts" in names and shape.shared_experts > 0 and shared_expert_overlap,

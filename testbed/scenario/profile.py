@@ -167,6 +167,9 @@ class GemmShapes:
         "the shapes compute.efficiency.grouped and loop were measured at, one a curve point: tokens per expert "
         "(the curve's x), experts in the launch, hidden and ffn (two GEMMs forward: T x H times H x F and "
         "T x F times F x H)", tokens=int, experts=int, hidden=int, ffn=int)
+    multistream_call_us: float = _optional_num(
+        "sim.expert_kernel = multistream (Transformer Engine's GroupedLinear: one cuBLAS GEMM per expert over "
+        "four streams): the fixed time of one such call beyond its GEMMs, us; default 0", 0.0)
 
 
 @dataclass(frozen=True)

@@ -411,7 +411,9 @@ class SimConfig:
 
     network_model: str = doc("flow (max-min fair), analytic (bottleneck link), or auto", "auto", choices=("auto", "flow", "analytic"))
     flow_max_gpus: int = doc("auto picks the flow model up to this many GPUs", 64, check=positive)
-    expert_kernel: str = doc("expert GEMMs as one grouped kernel or a per-expert loop (efficiency curves of the profile)", "grouped", choices=("grouped", "loop"))
+    expert_kernel: str = doc("expert GEMMs as one grouped kernel, a per-expert loop (efficiency curves of the profile) or "
+                             "Transformer Engine's multi-stream GroupedLinear (multistream: needs the profile's "
+                             "compute.gemm)", "grouped", choices=("grouped", "loop", "multistream"))
     representative_slice: bool = doc("fast evaluation for a layout search: where every block of EP and TP groups sees "
                                      "the same routing law, simulate two blocks' GPUs (the gradient sync over its whole "
                                      "groups) and scale, and route one layer of one block for layers and blocks of one "

@@ -107,6 +107,34 @@ DEEPEP_COMPARISONS = (
 )
 
 
+@dataclass(frozen=True)
+class GroupedGemmFigure:
+    """A published grouped-GEMM kernel figure on an H100 in bf16 (docs/published.md section 9):
+    ``groups`` GEMMs of (``m``, ``n``, ``k``) elements in one call, TFLOP/s. A kernel figure,
+    not a training run: ``te-2.2`` calibrates the h100 profile's
+    ``compute.gemm.multistream_call_us``; the others are compared against."""
+
+    id: str
+    implementation: str  # te-2.2 / te-2.7: Transformer Engine's multi-stream cuBLAS; cutlass: its CUTLASS kernel
+    groups: int
+    m: int
+    n: int
+    k: int
+    tflops: float
+
+
+TE_GROUPED_GEMM_SOURCE = ("NVIDIA/TransformerEngine#2045, its description (2025-08-08; the TE v2.7 and CUTLASS "
+                          "rows as updated by a maintainer, CUDA 12.9)")
+TE_GROUPED_GEMM_FIGURES: tuple[GroupedGemmFigure, ...] = (
+    GroupedGemmFigure("te2045-1", "te-2.2", 8, 4096, 768, 2048, 508.77),
+    GroupedGemmFigure("te2045-2", "te-2.2", 16, 2048, 768, 2048, 398.81),
+    GroupedGemmFigure("te2045-3", "te-2.7", 8, 4096, 768, 2048, 627.903),
+    GroupedGemmFigure("te2045-4", "te-2.7", 16, 2048, 768, 2048, 553.945),
+    GroupedGemmFigure("te2045-5", "cutlass", 8, 4096, 768, 2048, 650.574),
+    GroupedGemmFigure("te2045-6", "cutlass", 16, 2048, 768, 2048, 636.927),
+)
+
+
 def row(row_id: str) -> PublishedRow:
     """The row of ``ROWS`` with id ``row_id`` (KeyError naming it when there is none)."""
     for r in ROWS:
