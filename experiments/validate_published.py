@@ -35,7 +35,7 @@ from testbed.run.features import check_features
 from testbed.scenario.file import load_scenario
 from testbed.scenario.profile import load_profile
 from testbed.study.experiments import ROOT
-from testbed.study.profile_sensitivity import assumed_constants, moved, moved_profile_file
+from testbed.study.profile_sensitivity import assumed_constants, moved, moved_profile_file, unread_by
 from testbed.study.published_runs import DEEPEP_COMPARISONS, DEEPEP_ROWS, ROWS
 from testbed.study.published_validation import (
     DEEPEP_GOAL,
@@ -69,10 +69,11 @@ def parser() -> argparse.ArgumentParser:
 
 def _scenarios(args) -> tuple[list, dict, dict, dict]:
     """(scenarios to run, config -> its index, (config, key, factor) -> its index or why the
-    moved profile is not valid, config -> why it cannot be simulated)."""
+    moved profile is not valid, config -> why it cannot be simulated, (config, key) -> why the
+    scenario does not read that constant: not run, its moves change nothing)."""
     configs = list(dict.fromkeys(r.config for r in ROWS))
     moved_for = configs[:1] if args.quick else configs
-    scenarios, base_of, moved_of, missing = [], {}, {}, {}
+    scenarios, base_of, moved_of, missing, unread_of = [], {}, {}, {}, {}
     profiles = Path(args.output_dir) / NAME / "profiles"
     for config in configs:
         try:
@@ -89,6 +90,9 @@ def _scenarios(args) -> tuple[list, dict, dict, dict]:
         for c in assumed_constants(profile):
             if not c.movable:
                 continue
+            if why := unread_by(s, c.key):
+                unread_of[(config, c.key)] = why
+                continue
             for factor in (1 - MOVE, 1 + MOVE):
                 try:
                     path = moved_profile_file(profile, c.key, factor, profiles)
@@ -98,7 +102,7 @@ def _scenarios(args) -> tuple[list, dict, dict, dict]:
                     continue
                 moved_of[(config, c.key, factor)] = len(scenarios)
                 scenarios.append(moved)
-    return scenarios, base_of, moved_of, missing
+    return scenarios, base_of, moved_of, missing, unread_of
 
 
 def _summaries(sweep: Sweep, result) -> dict[int, dict]:
@@ -173,7 +177,7 @@ def _deepep_comparisons(rows: list[dict]) -> list[dict]:
 
 def run(args) -> int:
     report = writable_report(args.report or ROOT / "reports" / "published.html")
-    scenarios, base_of, moved_of, missing = _scenarios(args)
+    scenarios, base_of, moved_of, missing, unread_of = _scenarios(args)
     sweep = Sweep.of_scenarios(NAME + ("_quick" if args.quick else ""), scenarios, backends=("sim",), repeats=1)
     result = run_sweep(sweep, jobs=args.jobs, fresh=args.fresh, progress=not args.no_progress)
     summaries = _summaries(sweep, result)
@@ -196,6 +200,8 @@ def run(args) -> int:
                 else:
                     changes.append(summaries[j]["step_time_s"] / base["step_time_s"] - 1)
             rr.sensitivities.append(Sensitivity(key, changes[0], changes[1], why))
+        rr.sensitivities += [Sensitivity(key, 0.0, 0.0, f"not read: {why}")
+                             for (c, key), why in unread_of.items() if c == r.config]
         results[r.id] = rr
     comps = comparisons(results)
     deepep = _deepep(args.seed)

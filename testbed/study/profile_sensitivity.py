@@ -18,6 +18,7 @@ from pathlib import Path
 
 from testbed.core.errors import ScenarioError
 from testbed.scenario.profile import MachineProfile, profile_from_dict, save_profile
+from testbed.scenario.scenario import Scenario
 
 #: sections that say how a profile was made, not what the machine does
 NOT_FIGURES = ("name", "description", "source", "machine", "date", "versions", "measured", "calibration", "sources")
@@ -66,6 +67,24 @@ def assumed_constants(profile: MachineProfile) -> list[AssumedConstant]:
             continue
         out.append(AssumedConstant(key, value, source, _movable(value), partly=not text.startswith("assumed")))
     return out
+
+
+def unread_by(scenario: Scenario, key: str) -> str:
+    """Why a run of ``scenario`` cannot read the profile figure ``key``, so moving it cannot move
+    the run ('' where it may): the mechanism that reads it is off. Each rule is checked on a
+    published scenario by tests/testbed/study/test_profile_sensitivity_unread.py."""
+    s = scenario
+    if key == "overheads.heat_update_us_per_expert" and not s.heat.enabled:
+        return "heat.enabled is false (the heat map's update reads it)"
+    if key in ("compute.block_half_width", "links.pcie.bandwidth_GBps") and not s.pager.enabled:
+        return "pager.enabled is false (page moves and page-blocked GEMMs read it)"
+    if key == "compute.peak_tflops.fp8" and s.model.gemm_dtype != "fp8":
+        return f"model.gemm_dtype is {s.model.gemm_dtype!r} (fp8 GEMMs read it)"
+    if key == "compute.peak_tflops.fp16" and s.model.dtype != "fp16":
+        return f"model.dtype is {s.model.dtype!r} (fp16 GEMMs read it)"
+    if key.startswith("links.spine.") and s.cluster.microclusters == 1 and not s.cluster.rail_optimized:
+        return "one micro-cluster, one leaf: no path crosses the spine"
+    return ""
 
 
 def moved(profile: MachineProfile, key: str, factor: float) -> MachineProfile:
