@@ -153,15 +153,14 @@ class ComputeModel:
         gemms = GEMMS_BACKWARD if backward else GEMMS_FORWARD
         active = t > 0
         idle = ~active.any(axis=1)
-        if kernel == "grouped":
+        if kernel in ("grouped", "multistream"):  # one call per GEMM for all experts
+            call = self.grouped_call_seconds if kernel == "grouped" else self.multistream_call_seconds
             mean = np.maximum(t.mean(axis=1), 1e-12)
             seconds = np.zeros(t.shape[0])
             for m, n, k in expert_gemm_shapes(t, hidden, ffn, matrices, backward):
                 m, n, k = (np.where(active, np.broadcast_to(v, t.shape), 0.0) for v in (m, n, k))
-                seconds = seconds + self.grouped_call_seconds(m, n, k, mean)
+                seconds = seconds + call(m, n, k, mean)
             seconds = np.maximum(seconds, gemms * self.launch)
-        elif kernel == "multistream":
-            seconds = self._multistream_seconds(t, hidden, ffn, matrices, backward)
         else:
             x = np.where(active, t, 1.0)
             base = self.gemm_peak * eff("loop", x) / sm.expert_reference_factor(x, self.fp8, grouped=False)
@@ -175,19 +174,6 @@ class ComputeModel:
         if self.fp8:
             seconds = seconds + self.expert_cast_bytes(t, hidden, ffn, matrices, backward).sum(axis=1) / self.memory_bw
         return np.where(idle, 0.0, seconds * self.scale)
-
-    def _multistream_seconds(self, t: np.ndarray, hidden: int, ffn: int, matrices: int, backward: bool) -> np.ndarray:
-        """[ranks] seconds of the experts' GEMMs under ``multistream`` (module doc), fp8's casts
-        aside: one ``multistream_call_seconds`` per GEMM of ``expert_gemm_shapes``, at least one
-        launch per call."""
-        active = t > 0
-        x = np.where(active, t, 1.0)
-        mean = np.maximum(t.mean(axis=1), 1e-12)
-        seconds = np.zeros(t.shape[0])
-        for m, n, k in expert_gemm_shapes(x, hidden, ffn, matrices, backward):
-            m, n, k = (np.where(active, np.broadcast_to(v, t.shape), 0.0) for v in (m, n, k))
-            seconds = seconds + self.multistream_call_seconds(m, n, k, mean)
-        return np.maximum(seconds, (GEMMS_BACKWARD if backward else GEMMS_FORWARD) * self.launch)
 
     def grouped_call_seconds(self, m, n, k, tokens) -> np.ndarray:
         """[ranks] seconds of one grouped launch (module doc, ``grouped``) of a GEMM of ``m``,
