@@ -10,7 +10,10 @@ strong scaling, Megatron-Core against TP+EP+DP) the published and the predicted 
 DeepEP's dispatch and combine bandwidths on the h800 profile (``sim.step.deepep_bandwidth``)
 against DeepEP's README; and the sensitivity of each prediction to every assumed constant of
 its profile, moved -20% and +20% (``testbed.study.profile_sensitivity``; ``--quick`` moves
-them for the first row's scenario only). Nothing is fitted to a published figure, so
+them for the first row's scenario only). Beside the judged table, the rows whose sources leave a
+setting unstated are simulated again at that setting's other sourced value
+(``testbed.study.published_runs.UNSTATED``), with the comparisons and goals the table would
+then give: what the unstated setup is worth, never the judged figure. Nothing is fitted to a published figure, so
 ``fitted_share`` is the largest share of any simulated step from fitted constants (0 for the
 built-in profiles, which fit nothing).
 
@@ -36,7 +39,7 @@ from testbed.scenario.file import load_scenario
 from testbed.scenario.profile import load_profile
 from testbed.study.experiments import ROOT
 from testbed.study.profile_sensitivity import assumed_constants, moved, moved_profile_file, unread_by
-from testbed.study.published_runs import DEEPEP_COMPARISONS, DEEPEP_ROWS, ROWS
+from testbed.study.published_runs import DEEPEP_COMPARISONS, DEEPEP_ROWS, ROWS, UNSTATED, row
 from testbed.study.published_validation import (
     DEEPEP_GOAL,
     MOVE,
@@ -46,6 +49,7 @@ from testbed.study.published_validation import (
     comparisons,
     explain_miss,
     goals,
+    under_setting,
 )
 from testbed.study.sweep import Sweep, run_sweep, write_table
 
@@ -67,18 +71,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scenarios(args) -> tuple[list, dict, dict, dict]:
+def _load(config: str, args, overrides=()):
+    """The published scenario ``config`` for one measured step, with ``overrides``; raises
+    ScenarioError when the simulator cannot run it."""
+    s = load_scenario(PUBLISHED / config, STEPS + [f"run.output_dir={args.output_dir}", *overrides])
+    check_features(s, "sim")
+    return s
+
+
+def _scenarios(args) -> tuple[list, dict, dict, dict, dict, dict]:
     """(scenarios to run, config -> its index, (config, key, factor) -> its index or why the
     moved profile is not valid, config -> why it cannot be simulated, (config, key) -> why the
-    scenario does not read that constant: not run, its moves change nothing)."""
+    scenario does not read that constant: not run, its moves change nothing, (unstated
+    setting id, config) -> the index of the scenario at that setting or why it cannot be run)."""
     configs = list(dict.fromkeys(r.config for r in ROWS))
     moved_for = configs[:1] if args.quick else configs
-    scenarios, base_of, moved_of, missing, unread_of = [], {}, {}, {}, {}
+    scenarios, base_of, moved_of, missing, unread_of, unstated_of = [], {}, {}, {}, {}, {}
     profiles = Path(args.output_dir) / NAME / "profiles"
+    for setting in UNSTATED:
+        for config in dict.fromkeys(row(rid).config for rid in setting.rows):
+            try:
+                unstated_of[(setting.id, config)] = len(scenarios)
+                scenarios.append(_load(config, args, setting.overrides))
+            except ScenarioError as e:
+                unstated_of[(setting.id, config)] = str(e)
     for config in configs:
         try:
-            s = load_scenario(PUBLISHED / config, STEPS + [f"run.output_dir={args.output_dir}"])
-            check_features(s, "sim")
+            s = _load(config, args)
         except ScenarioError as e:
             missing[config] = str(e)
             continue
@@ -102,7 +121,7 @@ def _scenarios(args) -> tuple[list, dict, dict, dict]:
                     continue
                 moved_of[(config, c.key, factor)] = len(scenarios)
                 scenarios.append(moved)
-    return scenarios, base_of, moved_of, missing, unread_of
+    return scenarios, base_of, moved_of, missing, unread_of, unstated_of
 
 
 def _summaries(sweep: Sweep, result) -> dict[int, dict]:
@@ -177,7 +196,7 @@ def _deepep_comparisons(rows: list[dict]) -> list[dict]:
 
 def run(args) -> int:
     report = writable_report(args.report or ROOT / "reports" / "published.html")
-    scenarios, base_of, moved_of, missing, unread_of = _scenarios(args)
+    scenarios, base_of, moved_of, missing, unread_of, unstated_of = _scenarios(args)
     sweep = Sweep.of_scenarios(NAME + ("_quick" if args.quick else ""), scenarios, backends=("sim",), repeats=1)
     result = run_sweep(sweep, jobs=args.jobs, fresh=args.fresh, progress=not args.no_progress)
     summaries = _summaries(sweep, result)
@@ -204,6 +223,9 @@ def run(args) -> int:
                              for (c, key), why in unread_of.items() if c == r.config]
         results[r.id] = rr
     comps = comparisons(results)
+    unstated = [_unstated_json(under_setting(results, setting, _covered(setting, unstated_of, summaries)),
+                               unstated_of, skipped, sweep)
+                for setting in UNSTATED]
     deepep = _deepep(args.seed)
     deepep_errors = [e for d in deepep for e in (d["dispatch_error"], d["combine_error"])]
     verdict = goals(list(results.values()), comps, deepep_errors)
@@ -216,6 +238,7 @@ def run(args) -> int:
                             "direction_agrees": c.direction_agrees, "magnitude_gap": c.magnitude_gap,
                             "holds": c.holds} for c in comps],
            "deepep": deepep, "deepep_comparisons": _deepep_comparisons(deepep), "goals": verdict,
+           "unstated": unstated,
            "assumed_constants": _assumed(results), "ran": result.ran, "wall_s": result.wall_s,
            "report": str(report), "table": str(table)}
     write_published_report(report, out)
@@ -224,6 +247,38 @@ def run(args) -> int:
     else:
         _print(out)
     return 0
+
+
+def _covered(setting, unstated_of: dict, summaries: dict) -> dict[str, RowResult]:
+    """Row id -> the row simulated at ``setting`` (the rows whose run finished)."""
+    out = {}
+    for rid in setting.rows:
+        r = row(rid)
+        j = unstated_of.get((setting.id, r.config))
+        if isinstance(j, int) and j in summaries:
+            out[rid] = RowResult(r, Simulated.of_summary(summaries[j]))
+    return out
+
+
+def _unstated_json(u, unstated_of: dict, skipped: dict, sweep: Sweep) -> dict:
+    """An unstated setting's table (``published_validation.UnstatedResult``) as JSON."""
+    s, rows = u.setting, []
+    for rid in s.rows:
+        rr = u.rows.get(rid)
+        if rr is None:
+            j = unstated_of.get((s.id, row(rid).config))
+            why = j if isinstance(j, str) else skipped.get(str(sweep.grid()[j]), "not run")
+            rows.append({"id": rid, "config": row(rid).config, "predicted": None, "error": None, "missing": why})
+            continue
+        rows.append({"id": rid, "config": rr.row.config, "unit": rr.row.unit, "published": rr.row.value,
+                     "predicted": rr.predicted, "error": rr.error, "missing": "", "run_dir": rr.sim.run_dir,
+                     "step_time_s": rr.sim.step_time_s, "bubble_fraction": rr.sim.bubble_fraction,
+                     "peak_memory_bytes": rr.sim.peak_memory_bytes, "fits": rr.sim.fits})
+    return {"id": s.id, "what": s.what, "overrides": list(s.overrides), "source": s.source, "rows": rows,
+            "comparisons": [{"id": c.id, "what": c.what, "published": c.published, "predicted": c.predicted,
+                             "direction_agrees": c.direction_agrees, "magnitude_gap": c.magnitude_gap,
+                             "holds": c.holds} for c in u.comparisons],
+            "goals": u.goals}
 
 
 def _row_json(rr: RowResult) -> dict:
@@ -274,6 +329,17 @@ def _print(out: dict) -> None:
               f"{d['combine_GBps']:.1f} ({_pct(d['combine_error'])})  bound by {d['bound_by']}")
         if d["why"]:
             print(f"            why: {d['why']}")
+    for u in out["unstated"]:
+        print(f"\nunstated: {u['what']} ({', '.join(u['overrides'])}; {u['source']}); not judged")
+        for r in u["rows"]:
+            print(f"  {r['id']:<14} {r['config']:<44} " + (f"error {_pct(r['error'])}" if r["predicted"] is not None
+                                                          else f"[{r['missing']}]"))
+        for c in u["comparisons"]:
+            pred = "—" if c["predicted"] is None else f"{c['predicted']:.3f}"
+            print(f"  {c['what']:<58} published {c['published']:.3f}  predicted {pred}")
+        ug = u["goals"]
+        print(f"  the table so: median |error| {_pct(ug['median_abs_error'])}, worst {_pct(ug['worst_abs_error'])}, "
+              f"comparisons within 5 points {ug['comparisons_within_magnitude']}/{ug['comparisons']}")
     g = out["goals"]
     print(f"\ngoals: median |error| {_pct(g['median_abs_error'])} (goal {100 * g['median_goal']:.0f}%: "
           f"{'met' if g['median_met'] else 'not met'}), worst {_pct(g['worst_abs_error'])} (goal "

@@ -1,8 +1,9 @@
 """``reports/published.html``: the simulator's predictions against the published runs
 (``experiments/validate_published.py``, issue 26), from the experiment's result object:
 the goals, each row's error with the run it comes from, the comparisons, DeepEP's
-bandwidths, the assumed constants with their sensitivity, and for each row that misses
-the sentence ``testbed.study.published_validation.explain_miss`` computed.
+bandwidths, the assumed constants with their sensitivity, for each row that misses
+the sentence ``testbed.study.published_validation.explain_miss`` computed, and the table
+again at each unstated setting's other sourced value (``published_validation.under_setting``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,24 @@ def _assumed_table(assumed: list[dict]) -> str:
                        "not moved because"], body)
 
 
+def _unstated_html(unstated: list[dict]) -> str:
+    """Each unstated setting's rows, comparisons and goals (not judged: the setting's source in the text)."""
+    out = []
+    for u in unstated:
+        g = u["goals"]
+        out.append(f"<p><b>{u['what']}</b> ({', '.join(u['overrides'])}). Source: {u['source']}. With it the "
+                   f"table's median |error| would be {_pct(g['median_abs_error']).lstrip('+')}, its worst "
+                   f"{_pct(g['worst_abs_error']).lstrip('+')}, and {g['comparisons_within_magnitude']} of "
+                   f"{g['comparisons']} comparisons within 5 points.</p>")
+        out.append(table_html(["row", "scenario", "published", "predicted at it", "error", "bubble", "fits", "run"], [
+            [r["id"], r["config"], _value(r.get("unit", ""), r.get("published")), _value(r.get("unit", ""), r["predicted"]),
+             _pct(r["error"]), _pct(r.get("bubble_fraction")).lstrip("+") if r.get("bubble_fraction") is not None
+             else "—", {True: "yes", False: "no"}.get(r.get("fits"), "—"),
+             Path(r["run_dir"]).name if r.get("run_dir") else (r["missing"] or "—")] for r in u["rows"]], dense=True))
+        out.append(_comparisons_table(u["comparisons"]))
+    return "".join(out) or "<p>No unstated setting is listed.</p>"
+
+
 def _figure(rows: list[dict]) -> go.Figure:
     fig = go.Figure()
     shown = [r for r in rows if r["predicted"] is not None]
@@ -102,7 +121,8 @@ def write_published_report(path: str | Path, out: dict) -> Path:
                 ("Stage breakdown (summed stage times of one step)", _stages_table(out["rows"])),
                 ("Published comparisons", _comparisons_table(out["comparisons"] + out["deepep_comparisons"])),
                 ("DeepEP's normal kernels (h800 profile)", _deepep_table(out["deepep"])),
-                ("Assumed constants and their sensitivity", _assumed_table(out["assumed_constants"]))]
+                ("Assumed constants and their sensitivity", _assumed_table(out["assumed_constants"])),
+                ("Unstated settings at another sourced value (not judged)", _unstated_html(out.get("unstated", [])))]
     note = ("Each row is simulated from its scenario in configs/published/ (one measured step) on the profile the "
             "file names; the run folder is in the last column. Published figures are from docs/published.md, "
             "which gives their sources; nothing is fitted to them. Throughput is Megatron-LM's TFLOP/s per GPU "

@@ -80,6 +80,45 @@ COMPARISONS: tuple[Comparison, ...] = (
 
 
 @dataclass(frozen=True)
+class UnstatedSetting:
+    """A setting that the source of some rows leaves unstated, at another value than their
+    scenarios assume, with the source of that value. The validation also simulates those rows
+    at that value and reports the results next to the judged ones. The judged prediction
+    remains the scenario's: a scenario takes its unstated settings from the source nearest
+    its run (docs/published.md section 1, "The scenarios assume instead"), never from the
+    figure it is judged on. ``overrides`` are ``SECTION.KEY=VALUE`` fields, as
+    ``testbed run --set`` takes them."""
+
+    id: str
+    what: str
+    overrides: tuple[str, ...]
+    rows: tuple[str, ...]  # row ids
+    source: str
+
+
+MODELZOO = "yanring/Megatron-MoE-ModelZoo runtime_configs/benchmarking/runtime.conf"
+UNSTATED: tuple[UnstatedSetting, ...] = (
+    # The folding paper (2025-04) gives no VPP. The ModelZoo from its first commit (78fd4d6, 2025-04-03, the
+    # scenarios' source) to b06a6d8 has VPP 1 for Mixtral-8x22B (TP 2, PP 8, EP 8); from 7f59386
+    # (2025-07-30, "Update Mixtral 8x22B") it has VPP 7, one layer a chunk.
+    UnstatedSetting("mixtral-8x22b-vpp7", "a virtual pipeline of 7 chunks a stage (one layer a chunk)",
+                    ("parallelism.pp_chunks=7",),
+                    ("fold-T3-2", "fold-T3-3", "fold-T2-1", "fold-T2-2", "fold-T2-3", "fold-T2-4",
+                     "fold-T4-1", "fold-T4-2", "fold-T4-3", "fold-T4-4"),
+                    f"{MODELZOO} from 7f59386 (2025-07-30) on: VPP 7 for Mixtral-8x22B; VPP 1 at 78fd4d6 "
+                    "(2025-04-03), the commit the scenarios follow"),
+)
+
+
+def unstated_setting(setting_id: str) -> UnstatedSetting:
+    """The setting of ``UNSTATED`` with id ``setting_id`` (KeyError naming it when there is none)."""
+    for s in UNSTATED:
+        if s.id == setting_id:
+            return s
+    raise KeyError(setting_id)
+
+
+@dataclass(frozen=True)
 class DeepEPRow:
     """DeepEP's normal kernels on H800 (docs/published.md section 5): GB/s of the bottleneck link."""
 

@@ -9,6 +9,10 @@ direction and within ``MAGNITUDE_GOAL`` (5 percentage points) of its published r
 DeepEP's bandwidths within ``DEEPEP_GOAL``. Nothing is fitted: a simulated figure is set
 beside a published one, never the other way round.
 
+A setting the rows' sources leave unstated, at another sourced value (``UnstatedSetting``),
+gives the table again with the rows it covers simulated at that value (``under_setting``).
+It is reported beside the judged table and never replaces it.
+
 Units: errors and shares are fractions (0.05, not 5%); step times seconds; bandwidths GB/s.
 """
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from testbed.study.published_runs import COMPARISONS, PublishedRow, throughput
+from testbed.study.published_runs import COMPARISONS, PublishedRow, UnstatedSetting, throughput
 
 MEDIAN_GOAL, WORST_GOAL = 0.10, 0.20
 MAGNITUDE_GOAL = 0.05  # |predicted ratio - published ratio|, 5 percentage points
@@ -189,3 +193,33 @@ def goals(results: list[RowResult], comps: list[ComparisonResult], deepep_errors
         "deepep_worst_abs_error": deepep_worst, "deepep_goal": DEEPEP_GOAL,
         "deepep_met": deepep_worst is not None and deepep_worst <= DEEPEP_GOAL,
     }
+
+
+@dataclass
+class UnstatedResult:
+    """The published table with one unstated setting at its other value: ``rows`` the rows
+    it covers, simulated at it (row id -> result); ``comparisons`` those with a covered row;
+    ``goals`` the issue's row and comparison goals over the whole table with the covered rows
+    in place of the judged ones (DeepEP's kernels take no such setting and are left out)."""
+
+    setting: UnstatedSetting
+    rows: dict[str, RowResult]
+    comparisons: list[ComparisonResult]
+    goals: dict
+
+
+#: the goals' keys that an unstated setting can change (the rows' and the comparisons')
+TABLE_GOALS = ("median_abs_error", "median_met", "worst_abs_error", "worst_met", "comparisons_direction_agree",
+               "comparisons_within_magnitude", "comparisons", "comparisons_met")
+
+
+def under_setting(results: dict[str, RowResult], setting: UnstatedSetting,
+                  covered: dict[str, RowResult]) -> UnstatedResult:
+    """The table ``results`` (row id -> judged result) with ``setting``'s rows replaced by
+    ``covered`` (row id -> the row simulated at the setting; a row that could not be is
+    absent and keeps its judged result)."""
+    table = {rid: covered.get(rid, rr) for rid, rr in results.items()}
+    comps = comparisons(table)
+    shown = [c for c, spec in zip(comps, COMPARISONS) if spec.numerator in covered or spec.denominator in covered]
+    verdict = goals(list(table.values()), comps, [])
+    return UnstatedResult(setting, dict(covered), shown, {k: verdict[k] for k in TABLE_GOALS})
