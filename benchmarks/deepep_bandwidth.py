@@ -6,9 +6,10 @@ What is simulated and how (DeepEP's test routing, its logical bandwidth, what is
 modelled): ``sim.step.deepep_bandwidth``. The machine is the built-in h800 profile
 (testbed/scenario/profiles/h800.toml): NVLink 160 GB/s per direction (what DeepSeek-V3 and
 DeepEP's README give as achievable of H800's 200 GB/s), NIC 48 GB/s (a 400 Gb/s NDR NIC's
-rate NCCL's maintainers report), the GH100's 132 SMs; each figure's source is in the
-profile. Nothing is fitted to the published figures (docs/published.md section 5): they are
-only printed beside the simulated ones.
+rate NCCL's maintainers report), the GH100's 132 SMs, and the internode kernels' forwarding
+rate at 24 SMs (a user's H200 run, deepseek-ai/DeepEP#493: ``sim.network.deepep_forward``);
+each figure's source is in the profile. Nothing is fitted to the published figures
+(docs/published.md section 5): they are only printed beside the simulated ones.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def main(argv=None) -> int:
 
     def work() -> int:
         profile = h800_like()
+        c = profile.collectives
         print(f"profile {profile.name}: NVLink {profile.links.nvlink.bandwidth_GBps:g} GB/s, "
-              f"NIC {profile.links.nic.bandwidth_GBps:g} GB/s per direction; routing seed {args.seed}")
+              f"NIC {profile.links.nic.bandwidth_GBps:g} GB/s per direction, internode forwarding "
+              f"{c.deepep_dispatch_GBps:g} / {c.deepep_combine_GBps:g} GB/s (dispatch / combine); "
+              f"routing seed {args.seed}")
         print(f"{'type':<10} {'EP':>3} {'stage':<9} {'link':<7} {'published GB/s':>15} {'simulated GB/s':>15} "
               f"{'error':>7} {'sim time us':>12}")
         for kind, ep, dispatch, combine, link in PUBLISHED:

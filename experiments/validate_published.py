@@ -135,21 +135,34 @@ def _summaries(sweep: Sweep, result) -> dict[int, dict]:
     return out
 
 
-#: the links a DeepEP kernel can be bound by: (name in the report, attribute of ``profile.links``)
-DEEPEP_LINKS = (("NVLink", "nvlink"), ("NIC", "nic"))
+#: what a DeepEP kernel can be bound by: (name in the report, the profile figures of it)
+DEEPEP_BOUNDS = (("NVLink", ("links.nvlink.bandwidth_GBps",)), ("NIC", ("links.nic.bandwidth_GBps",)),
+                 ("DeepEP's forwarding kernels", ("collectives.deepep_dispatch_GBps", "collectives.deepep_combine_GBps")))
+
+
+#: the small cut that tells which figure binds at the profile's values (a -20% cut can make
+#: a figure within 20% of binding bind as well)
+PROBE = 0.01
+
+
+def _cut(profile, keys, factor: float):
+    for key in keys:
+        profile = moved(profile, key, factor)
+    return profile
 
 
 def _bound_by(ep: int, profile, seed: int, got: dict[str, float]) -> dict:
-    """Which link's figure the simulated kernel is bound by: each of ``DEEPEP_LINKS`` at
-    -MOVE (-20%) with the same routing (seed); the bound link is the one whose cut moves the
-    dispatch's bandwidth most. Its change per stage (a fraction) says how hard it binds."""
-    changes = {}
-    for name, link in DEEPEP_LINKS:
-        cut = bandwidths_GBps(ep, moved(profile, f"links.{link}.bandwidth_GBps", 1 - MOVE),
-                              np.random.default_rng([seed, ep]))
-        changes[name] = {stage: cut[stage] / got[stage] - 1 for stage in got}
-    name, link = min(DEEPEP_LINKS, key=lambda nl: changes[nl[0]]["dispatch"])
-    return {"bound_by": name, "bound_link": link, "link_changes": changes}
+    """What the simulated kernel is bound by: the one of ``DEEPEP_BOUNDS`` whose -1% cut
+    (``PROBE``) moves the dispatch's bandwidth most, with the same routing (seed). Each
+    one's change per stage at -MOVE (-20%, a fraction) says how hard it binds or how near
+    it is to binding."""
+    changes, probed = {}, {}
+    for name, keys in DEEPEP_BOUNDS:
+        for factor, out in ((1 - PROBE, probed), (1 - MOVE, changes)):
+            cut_GBps = bandwidths_GBps(ep, _cut(profile, keys, factor), np.random.default_rng([seed, ep]))
+            out[name] = {stage: cut_GBps[stage] / got[stage] - 1 for stage in got}
+    name, keys = min(DEEPEP_BOUNDS, key=lambda nk: probed[nk[0]]["dispatch"])
+    return {"bound_by": name, "bound_key": keys[0], "link_changes": changes}
 
 
 def _deepep(seed: int) -> list[dict]:
@@ -173,8 +186,10 @@ def _deepep_why(row: dict, profile) -> dict[str, str]:
     source entry; both empty where the row is within."""
     if max(abs(row["dispatch_error"]), abs(row["combine_error"])) <= DEEPEP_GOAL:
         return {"why": "", "why_source": ""}
-    key = f"links.{row['bound_link']}.bandwidth_GBps"
-    value = getattr(profile.links, row["bound_link"]).bandwidth_GBps
+    key = row["bound_key"]
+    value = profile.to_dict()
+    for part in key.split("."):
+        value = value[part]
     moves = ", ".join(f"{name} -20% moves the dispatch {100 * c['dispatch']:+.1f}%"
                       for name, c in row["link_changes"].items())
     return {"why": f"bound by {row['bound_by']} ({moves}): the simulated kernel moves its bytes at "

@@ -174,11 +174,12 @@ def fanout_source(scenario: Scenario):
 
 def op_timer(timer: AnalyticTimer, world: int):
     """``ops -> [W]`` seconds of a batch of concurrent ops on each member, each op alone
-    on the fabric (``AnalyticTimer.stage_loads``, no statistics recorded)."""
+    on the fabric (``AnalyticTimer.stage_loads``, no statistics recorded), at least its
+    kernels' floor (``AnalyticTimer.floor_seconds``)."""
     def seconds(ops) -> np.ndarray:
         out = np.zeros(world)
         for op in ops:
-            t = sum(timer.stage_seconds(load) for load in timer.stage_loads(op))
+            t = max(sum(timer.stage_seconds(load) for load in timer.stage_loads(op)), timer.floor_seconds(op))
             m = np.asarray(op.members)
             out[m] = np.maximum(out[m], t)
         return out

@@ -23,6 +23,7 @@ import numpy as np
 
 from sim.network.collective_algorithms import Atom
 from sim.network.collective_model import CollectiveModel
+from sim.network.deepep_forward import forward_floor_seconds
 from testbed.policy.collectives import CollectiveOp
 
 
@@ -122,10 +123,16 @@ class AnalyticTimer:
                 self.stats.busy_by_edge[load.edges] += load.nbytes / self.fabric.capacity[load.edges].clip(min=1e-300)
 
     def seconds(self, op: CollectiveOp) -> float:
-        """Seconds ``op`` takes alone on the fabric (and its statistics recorded)."""
+        """Seconds ``op`` takes alone on the fabric (and its statistics recorded), at least
+        its kernels' floor (``floor_seconds``)."""
         loads = self.stage_loads(op)
         self.record(loads)
-        return sum(self.stage_seconds(load) for load in loads)
+        return max(sum(self.stage_seconds(load) for load in loads), self.floor_seconds(op))
+
+    def floor_seconds(self, op: CollectiveOp) -> float:
+        """The least seconds ``op`` takes whatever its links: DeepEP's forwarding kernels'
+        (``sim.network.deepep_forward``), else 0."""
+        return forward_floor_seconds(op, self.model.profile.collectives)
 
     # ---- the direct all-to-all ------------------------------------------------------------
     def _pattern(self, members: tuple[int, ...]) -> _Pattern:

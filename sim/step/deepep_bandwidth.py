@@ -19,9 +19,11 @@ bandwidth is DeepEP's *logical* one, from the same routing, over the simulated t
 - internode: the (token, node) pairs a GPU sends, its own node included, x the same.
 
 The dispatch's token rows carry DeepEP's fp8 scales on the wire here (the testbed's own fp8
-rows carry none, as its codec). Not modelled: DeepEP's chunked pipelining (the hop and the
-forward are one batch, fully overlapped), and any limit the kernels' 20-24 SMs put on the
-bandwidth. Seconds and bytes; the routing from the caller's seeded generator.
+rows carry none, as its codec). The kernels run on DeepEP's tests' 24 SMs; across nodes their
+forwarding rate bounds the forward besides NVLink (``sim.network.deepep_forward``). Not
+modelled: DeepEP's chunked pipelining (the hop and the forward are one batch, fully
+overlapped), and the intranode kernels' own SM limit. Seconds and bytes; the routing from the
+caller's seeded generator.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import simpy
 from sim.hardware.fabric import build_fabric
 from sim.network.analytic_timer import AnalyticTimer
 from sim.network.collective_model import CollectiveModel
+from sim.network.deepep_forward import REFERENCE_SMS
 from sim.network.network import Network
 from sim.step.phases import Phase
 from sim.step.schedule import run_analytic
@@ -57,7 +60,7 @@ def scenario(ep: int) -> Scenario:
                     "rail_optimized": True},
         "parallelism": {"ep_size": ep},
         "router": {"capacity_factor": 0.0},  # dropless, as DeepEP's tests
-        "comm": {"token_strategy": "deepep", "payload_dtype": "fp8"},
+        "comm": {"token_strategy": "deepep", "payload_dtype": "fp8", "deepep_sms": REFERENCE_SMS},
         "workload": {"tokens_per_rank": TOKENS},
         "pager": {"enabled": False},
     })

@@ -29,8 +29,8 @@ def split_op(op: CollectiveOp, n: int, i: int) -> CollectiveOp:
             matrix = chunk_rows(op.matrix // op.row_bytes, n, i) * op.row_bytes
         else:
             matrix = chunk_rows(op.matrix, n, i)
-        return CollectiveOp(op.kind, op.members, op.stage, op.layer, matrix=matrix,
-                            batch=op.batch, stream=op.stream, label=op.label, row_bytes=op.row_bytes)
+        return CollectiveOp(op.kind, op.members, op.stage, op.layer, matrix=matrix, batch=op.batch,
+                            stream=op.stream, label=op.label, row_bytes=op.row_bytes, forward_sms=op.forward_sms)
     size = op.size // n + (op.size % n > i)
     return CollectiveOp(op.kind, op.members, op.stage, op.layer, size=size, batch=op.batch,
                         stream=op.stream, label=op.label)

@@ -52,6 +52,7 @@ import simpy
 from sim.hardware.cores import CorePool
 from sim.network.analytic_timer import AnalyticTimer
 from sim.network.collective_model import CollectiveModel
+from sim.network.deepep_forward import forward_floor_seconds as floor_seconds
 from sim.step.link_loads import LinkLoads
 from sim.step.phases import Phase
 
@@ -147,12 +148,14 @@ def run_analytic(phases: list[Phase], world: int, timer: AnalyticTimer, t0: floa
         else:
             fixed_s.append(ph.seconds if ph.kind in ("compute", "wait") else None)
     fitted = np.array([fitted_seconds(ph, timer.model, world) for ph in phases]).reshape(len(phases), world)
+    # each op's least seconds whatever its links (DeepEP's forwarding kernels: sim.network.deepep_forward)
+    floors = np.array([timer.floor_seconds(op) for ph in phases if ph.kind == "ops" for op in ph.ops])
     extra = np.zeros(len(loads.fixed))  # seconds each stage's transfer waits for others
     if warm is not None:
         extra = warm.start(loads, extra)
     step, last, best = FIRST_STEP, None, (np.inf, None)
     for _ in range(MAX_PASSES):
-        tl, begin = _schedule(phases, world, t0, fixed_s, fitted, loads, extra)
+        tl, begin = _schedule(phases, world, t0, fixed_s, fitted, loads, extra, floors)
         length = np.maximum(loads.alone - loads.fixed, 0.0) + extra  # seconds each stage's bytes flow
         moved = loads.delays(begin, length) - extra
         off = np.abs(moved).sum() / max(length.sum(), 1e-300)  # how far the pass is from consistent
@@ -189,9 +192,10 @@ class WarmStart:
         self._signature, self._extra = loads.signature, extra
 
 
-def _schedule(phases, world, t0, fixed_s, fitted, loads: LinkLoads, extra: np.ndarray):
-    """One max-plus pass, every stage ``extra`` seconds slower than alone: the Timeline,
-    and [stages] the time each stage's bytes start to flow (seconds)."""
+def _schedule(phases, world, t0, fixed_s, fitted, loads: LinkLoads, extra: np.ndarray, floors: np.ndarray):
+    """One max-plus pass, every stage ``extra`` seconds slower than alone, each op at least
+    its ``floors`` seconds: the Timeline, and [stages] the time each stage's bytes start to
+    flow (seconds)."""
     clock = {s: np.full(world, t0) for s in STREAMS}
     start = np.empty((len(phases), world))
     end = np.empty((len(phases), world))
@@ -217,7 +221,7 @@ def _schedule(phases, world, t0, fixed_s, fitted, loads: LinkLoads, extra: np.nd
                 if m is None:
                     m = members[op.members] = np.asarray(op.members)
                 s = ready[m].max()
-                e = s + op_s[o]
+                e = s + max(op_s[o], floors[o])
                 op_start[o] = s
                 done[m] = np.maximum(done[m], e)
                 log.append((op, s, e))
@@ -256,7 +260,13 @@ def run_flows(phases: list[Phase], world: int, model: CollectiveModel, t0: float
                 log.append((op, began, env.now))
                 finished.succeed()
 
-            model.run(op).callbacks.append(record)
+            def run(op=op, began=began):
+                yield model.run(op)
+                rest = began + floor_seconds(op, model.profile.collectives) - env.now  # the kernels' floor
+                if rest > 0:
+                    yield env.timeout(rest)
+
+            env.process(run()).callbacks.append(record)
         return entry[1]
 
     def copy(ph: Phase, r: int):

@@ -59,6 +59,9 @@ class CollectiveOp:
     stream   concurrent stream within the batch (M9's batches of experts)
     cached   the group comes from the expert group cache (M10), not a fixed group
     label    free text for traces ("expert 5", "tokens")
+    forward_sms  DeepEP's internode kernels: the token rows of one node's forward (the rows
+             its forwarding GPUs pass on over NVLink, after the inter-node hop), moved by
+             kernels on that many SMs a GPU; 0 for every other op (``testbed.policy.deepep``)
     """
 
     kind: str
@@ -72,6 +75,7 @@ class CollectiveOp:
     cached: bool = False
     label: str = ""
     row_bytes: int = 0  # all_to_all_v of token rows: bytes per row (micro-batches split whole rows); 0: not rows
+    forward_sms: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:

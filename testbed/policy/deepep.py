@@ -186,16 +186,20 @@ def row_bytes(stage: str, token_bytes: int, model_bytes: int, top_k: int) -> lis
 
 
 def deepep_ops(stage: str, layer: int, grid: np.ndarray, pos: np.ndarray, fanout: np.ndarray,
-               messages: list[tuple[str, int]], batch: int = 0) -> list[CollectiveOp]:
+               messages: list[tuple[str, int]], batch: int = 0, sms: int = 0) -> list[CollectiveOp]:
     """One EP group's ops of a token stage: per message kind, an all_to_all_v along each
     column (the inter-node hop, A > 1) and inside each node (the forward, B > 1), all
     in one batch ``batch`` (module doc). The dispatch and combine_backward go source ->
-    expert, the combine and dispatch_backward the way back (the matrices transposed)."""
+    expert, the combine and dispatch_backward the way back (the matrices transposed).
+    With a hop, the forward of the stage's first message (its token rows) carries
+    ``forward_sms = sms``, the SMs of the kernels that forward it
+    (``sim.network.deepep_forward``); the intranode kernels (A = 1) forward nothing."""
     inter, intra = hop_matrices(fanout, pos)
     a_nodes, b = grid.shape
     back = stage in ("combine", "dispatch_backward")
     ops = []
-    for label, per_row in messages:
+    for k, (label, per_row) in enumerate(messages):
+        forward_sms = sms if a_nodes > 1 and k == 0 else 0
         if a_nodes > 1:
             ops += [CollectiveOp("all_to_all_v", tuple(int(r) for r in grid[:, c]), stage, layer,
                                  matrix=(inter[c].T if back else inter[c]) * per_row, batch=batch,
@@ -203,5 +207,6 @@ def deepep_ops(stage: str, layer: int, grid: np.ndarray, pos: np.ndarray, fanout
         if b > 1:
             ops += [CollectiveOp("all_to_all_v", tuple(int(r) for r in grid[row]), stage, layer,
                                  matrix=(intra[row].T if back else intra[row]) * per_row, batch=batch,
-                                 label=f"{label} intra-node", row_bytes=per_row) for row in range(a_nodes)]
+                                 label=f"{label} intra-node", row_bytes=per_row, forward_sms=forward_sms)
+                    for row in range(a_nodes)]
     return ops

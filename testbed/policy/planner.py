@@ -280,7 +280,7 @@ class Planner:
         ops = self.fanout_ops(layer) if stage == "dispatch" else []
         for g, (grid, pos) in enumerate(zip(self.grids, self.grid_positions)):
             ops += deepep.deepep_ops(stage, layer, grid, pos, fan[self.layout.rank_of[g]], messages,
-                                     batch=1 if stage == "dispatch" else 0)
+                                     batch=1 if stage == "dispatch" else 0, sms=self.s.comm.deepep_sms)
         return ops
 
     def fanout_ops(self, layer: int) -> list[CollectiveOp]:

@@ -284,6 +284,15 @@ class CollectiveFigures:
         "SMs (count) a collective kernel of the library holds while it runs, one CTA a channel, each on an SM of "
         "its own that compute does not share (NCCL, nccl#689); compute beside the token exchange and the "
         "gradient sync runs on the rest (sim.step.kernel_sms); 0 = none (CPU ranks); default 0", 0)
+    deepep_dispatch_GBps: float = _optional_num(
+        "the rate at which DeepEP's internode kernels move token rows through a node's forwarding GPUs, source -> "
+        "expert (the dispatch, the combine's backward): GB/s of the rows a GPU receives over NVLink, its own "
+        "forwarded rows included (DeepEP's 'NVL' figure), at 24 SMs (DeepEP's tests' default) and in proportion to "
+        "comm.deepep_sms. The kernel's SMs bound it below the NVLink rate (sim.network.deepep_forward); 0 = no "
+        "bound beside the links; default 0", 0.0)
+    deepep_combine_GBps: float = _optional_num(
+        "the same for DeepEP's internode combine (and the dispatch's backward), expert -> source: GB/s of the rows "
+        "a GPU sends its forwarding GPUs; default 0", 0.0)
     pxn: bool = _flag(
         "PXN (NCCL's PCI x NVLink, M21): an inter-node all-to-all or p2p message first crosses NVLink to the GPU "
         "of its node on the destination's rail and leaves through that GPU's NIC, so it stays on one rail (extra "

@@ -188,3 +188,24 @@ def test_deepep_needs_the_same_members_on_every_node():
     with pytest.raises(ScenarioError) as e:  # refused when the scenario is built, before any planner or rank
         Scenario.from_dict(data)
     assert e.value.field == "comm.token_strategy" and e.value.value == "deepep" and "every node" in e.value.reason
+
+
+def test_only_the_token_rows_forwarded_after_a_hop_carry_the_kernels_sms():
+    """Across nodes the forward of each stage's first message (its token rows) carries
+    comm.deepep_sms (the kernels that bound it: sim.network.deepep_forward); the hop, the
+    indices and probabilities, and the intranode kernels (one node: no hop) carry none."""
+    p = Planner(scenario())
+    kept, fanout = routing(p)
+    p.tell_fanout(0, fanout)
+    for stage, first in (("dispatch", "tokens"), ("combine", "partial sums"), ("combine_backward", "output gradients"),
+                         ("dispatch_backward", "token gradients")):
+        ops = p.token_ops(stage, 0, kept)
+        carried = {op.label for op in ops if op.forward_sms}
+        assert carried == {f"{first} intra-node"}, stage
+        assert {op.forward_sms for op in ops if op.forward_sms} == {p.s.comm.deepep_sms}
+    one_node = Scenario.from_dict({
+        "model": {"hidden_size": H, "ffn_hidden_size": 16, "num_experts": 4, "top_k": K},
+        "cluster": {"gpus_per_node": 4, "nodes_per_microcluster": 1, "microclusters": 1},
+        "parallelism": {"ep_size": 4}, "comm": {"token_strategy": "deepep"}, "workload": {"tokens_per_rank": T}})
+    q = Planner(one_node)
+    assert not any(op.forward_sms for op in q.token_ops("dispatch", 0, kept))
