@@ -78,6 +78,9 @@ def unread_by(scenario: Scenario, key: str) -> str:
         return "heat.enabled is false (the heat map's update reads it)"
     if key in ("compute.block_half_width", "links.pcie.bandwidth_GBps") and not s.pager.enabled:
         return "pager.enabled is false (page moves and page-blocked GEMMs read it)"
+    if key in ("collectives.deepep_dispatch_GBps", "collectives.deepep_combine_GBps") \
+            and s.comm.token_strategy != "deepep":
+        return f"comm.token_strategy is {s.comm.token_strategy!r} (DeepEP's internode forwards read it)"
     if key == "compute.peak_tflops.fp8" and s.model.gemm_dtype != "fp8":
         return f"model.gemm_dtype is {s.model.gemm_dtype!r} (fp8 GEMMs read it)"
     if key == "compute.peak_tflops.fp16" and s.model.dtype != "fp16":

@@ -15,11 +15,11 @@ from testbed.scenario.scenario import Scenario
 from testbed.study.profile_sensitivity import assumed_constants, moved_profile_file, unread_by
 
 ROOT = Path(__file__).resolve().parents[3]
-#: bf16 on h100, heat map and pager off, one micro-cluster of one leaf
+#: bf16 on h100, heat map and pager off, one micro-cluster of one leaf, the all-to-all dispatcher
 QWEN2 = ROOT / "configs" / "published" / "qwen2-57b-64-h100-mcore.toml"
 UNREAD = ["overheads.heat_update_us_per_expert", "compute.block_half_width", "links.pcie.bandwidth_GBps",
           "compute.peak_tflops.fp8", "compute.peak_tflops.fp16", "links.spine.latency_us",
-          "links.spine.bandwidth_GBps"]
+          "links.spine.bandwidth_GBps", "collectives.deepep_dispatch_GBps", "collectives.deepep_combine_GBps"]
 
 
 def step_seconds(s, tmp_path: Path) -> float:
@@ -44,7 +44,10 @@ def test_the_rules_name_what_is_off(qwen2):
     assert "heat.enabled" in unread_by(qwen2, "overheads.heat_update_us_per_expert")
     on = Scenario.from_dict({"heat": {"enabled": True}, "pager": {"enabled": True}, "model": {"gemm_dtype": "fp8"},
                              "cluster": {"microclusters": 2}})
-    assert [k for k in UNREAD if unread_by(on, k)] == ["compute.peak_tflops.fp16"]
+    assert [k for k in UNREAD if unread_by(on, k)] == ["compute.peak_tflops.fp16", "collectives.deepep_dispatch_GBps",
+                                                       "collectives.deepep_combine_GBps"]
+    assert "comm.token_strategy is 'alltoall'" in unread_by(on, "collectives.deepep_combine_GBps")
+    assert unread_by(on.replace(comm={"token_strategy": "deepep"}), "collectives.deepep_combine_GBps") == ""
 
 
 @pytest.mark.parametrize("key", UNREAD)
